@@ -1,0 +1,1 @@
+"""Pieces every embedmesh service shares: server bootstrap, errors, tensors, logging."""

@@ -1,0 +1,162 @@
+"""The mesh's exception tree and its mapping to gRPC status codes with ``google.rpc.Status`` details.
+
+    EmbedmeshError                 base; never raised directly
+    ├── InvalidArgument            bad user input (INVALID_ARGUMENT, HTTP 400); names the field and the rule
+    ├── NotFound                   a named thing does not exist (NOT_FOUND, HTTP 404)
+    ├── FailedPrecondition         valid input the current state cannot serve (FAILED_PRECONDITION, HTTP 400)
+    ├── ResourceExhausted          over a configured limit or queue full (RESOURCE_EXHAUSTED, HTTP 429)
+    ├── Unavailable                recoverable: a dependency is down or still loading (UNAVAILABLE, HTTP 503)
+    └── InternalError              a bug or an engine failure; leaks no internals (INTERNAL, HTTP 500)
+
+Each error carries ``reason`` (UPPER_SNAKE, stable, for programs), ``field`` (the offending parameter, for people
+and OpenAI's ``param``) and ``message``. On the wire they travel as ``ErrorInfo`` (reason, domain, metadata with
+``field``) and, for field errors, ``BadRequest.FieldViolation`` — never as strings in a response field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "embedmesh"
+
+__all__ = [
+    "DOMAIN",
+    "EmbedmeshError",
+    "InvalidArgument",
+    "NotFound",
+    "FailedPrecondition",
+    "ResourceExhausted",
+    "Unavailable",
+    "InternalError",
+    "to_status",
+    "from_rpc_error",
+]
+
+
+class EmbedmeshError(Exception):
+    """Base of every error the mesh reports to a caller."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    default_reason: ClassVar[str] = "UNKNOWN"
+
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.reason = reason or self.default_reason
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, field={self.field!r}, reason={self.reason!r})"
+
+
+class InvalidArgument(EmbedmeshError):
+    """The request breaks a validation rule; fix the named field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFound(EmbedmeshError):
+    """The named resource (model, request id, cache key, file) does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class FailedPrecondition(EmbedmeshError):
+    """The request is well formed but the system's state cannot serve it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(EmbedmeshError):
+    """A limit or a queue is full; retry later or send less."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(EmbedmeshError):
+    """A dependency is down, draining or still loading; retrying may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class InternalError(EmbedmeshError):
+    """Unexpected failure; details are in the server's log under the request id."""
+
+    code = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+
+_BY_CODE: dict[grpc.StatusCode, type[EmbedmeshError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, InternalError)
+}
+
+
+def to_status(err: EmbedmeshError) -> grpc.Status:
+    """Build the rich gRPC status (code, message, ErrorInfo, BadRequest) for ``err``."""
+    details: list[Any] = []
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN)
+    if err.field:
+        info.metadata["field"] = err.field
+    packed = any_pb2.Any()
+    packed.Pack(info)
+    details.append(packed)
+    if err.field:
+        bad = error_details_pb2.BadRequest(
+            field_violations=[error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)]
+        )
+        packed = any_pb2.Any()
+        packed.Pack(bad)
+        details.append(packed)
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message, details=details)
+    return rpc_status.to_status(status)
+
+
+def _status_details(e: grpc.RpcError) -> status_pb2.Status | None:
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    if not trailing:
+        return None
+    for item in trailing:
+        key, value = item if isinstance(item, tuple) else (item, trailing[item])
+        if key == "grpc-status-details-bin":
+            status = status_pb2.Status()
+            status.ParseFromString(value)
+            return status
+    return None
+
+
+def from_rpc_error(e: grpc.RpcError) -> EmbedmeshError:
+    """Turn a failed call's status back into the matching error, keeping field and reason.
+
+    Lets a service re-raise what a downstream service said (the preprocessor passing on a worker's
+    INVALID_ARGUMENT) without flattening it into INTERNAL.
+    """
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    message = (e.details() if hasattr(e, "details") else None) or str(e)
+    field = None
+    reason = None
+    status = _status_details(e)
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+                field = info.metadata.get("field") or field
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            cls = Unavailable
+        else:
+            cls = InternalError
+    return cls(message, field=field, reason=reason)

@@ -1,0 +1,152 @@
+"""The one interface every worker engine implements (hf, vllm, sglang, echo).
+
+Domain types only: no protobuf here. The worker's servicer converts messages to these and back.
+Optional capabilities (embeddings, LoRA, sleep) are concrete methods raising ``NotImplementedError`` so that
+adding one breaks no engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+__all__ = [
+    "FinishReason",
+    "SamplingParams",
+    "TokenSegment",
+    "EmbedsSegment",
+    "Segment",
+    "GenerationRequest",
+    "GenerationDelta",
+    "ModelInfo",
+    "EngineStats",
+    "Engine",
+]
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved sampling controls (server defaults already applied)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenSegment:
+    """Prompt positions given as token ids."""
+
+    ids: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class EmbedsSegment:
+    """Prompt positions given as embedding rows, (rows, hidden_size), already in the model dtype.
+
+    For bf16 models the array holds the raw bf16 bits as uint16 (see ``embedmesh.core.tensors``).
+    """
+
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
+Segment = TokenSegment | EmbedsSegment
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    segments: list[Segment]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(len(s) for s in self.segments)
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """New output since the previous delta; the last one has ``finish_reason`` set."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    engine: str
+    hidden_size: int
+    max_context_tokens: int
+    dtype: str
+    """torch-style dtype name without the prefix: "float32", "bfloat16", "float16"."""
+    vocab_size: int
+    max_batch_size: int
+
+
+@dataclass
+class EngineStats:
+    active_requests: int = 0
+    queued_requests: int = 0
+    completed_requests: int = 0
+    aborted_requests: int = 0
+    generated_tokens: int = 0
+    max_batch_seen: int = 0
+
+
+class Engine(ABC):
+    """An inference engine behind a worker."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model. The worker reports NOT_SERVING until this returns."""
+
+    @abstractmethod
+    def info(self) -> ModelInfo:
+        """Model description; valid after ``start``."""
+
+    @abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Stream deltas. Closing the iterator early (client gone) must abort the sequence."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Stop a running sequence; False when it is not running."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Counters for GetStats and metrics."""
+
+    async def check_health(self) -> None:
+        """Raise if the engine can no longer serve."""
+
+    async def shutdown(self) -> None:
+        """Release the engine."""
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Pooled, normalised embeddings for token id lists (embedding engines only)."""
+        raise NotImplementedError
