@@ -14,6 +14,8 @@ from enum import Enum
 
 import numpy as np
 
+from embedmesh.core.sampling import SamplingParams
+
 __all__ = [
     "FinishReason",
     "SamplingParams",
@@ -32,21 +34,6 @@ class FinishReason(Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Resolved sampling controls (server defaults already applied)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 disables top-k."""
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,54 @@
+"""Sampling parameters: the resolved domain type and its conversion from the proto, with server defaults and
+range checks in one place so the preprocessor (early, before fan-out) and every worker agree."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.core.errors import InvalidArgument
+
+__all__ = ["SamplingParams", "sampling_from_proto", "DEFAULT_MAX_TOKENS"]
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's completions default."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved sampling controls (server defaults already applied)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Apply defaults to unset fields and check ranges; errors name the field as clients spell it."""
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    temperature = p.temperature if p.HasField("temperature") else 1.0
+    top_p = p.top_p if p.HasField("top_p") else 1.0
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens must be >= 1", field="max_tokens", reason="OUT_OF_RANGE")
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= 100.0:
+        raise InvalidArgument("temperature must be in [0, 100]", field="temperature", reason="OUT_OF_RANGE")
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument("top_p must be in (0, 1]", field="top_p", reason="OUT_OF_RANGE")
+    if len(p.stop) > 16:
+        raise InvalidArgument("at most 16 stop strings", field="stop", reason="TOO_MANY_STOP")
+    return SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(p.top_k) if p.HasField("top_k") else 0,
+        seed=int(p.seed) if p.HasField("seed") else None,
+        stop=tuple(s for s in p.stop if s),
+        ignore_eos=p.ignore_eos,
+    )

@@ -1,0 +1,142 @@
+"""``make run``: start the mesh on one machine — N workers, the preprocessor and the gateway, each its own process
+on localhost — print where each listens, wait until the gateway's /health says every service is SERVING,
+and on Ctrl-C (or SIGTERM) drain and stop them all.
+
+    python -m embedmesh.launcher [--gateway-port 8000] [--workers 1] [--engine hf] [--model default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+__all__ = ["main", "MeshProcess"]
+
+
+@dataclass
+class MeshProcess:
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes]
+
+
+def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    # Own process group per child: Ctrl-C reaches the launcher, which stops children in order.
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
+
+
+def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.proc.poll() is not None:
+                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; see its log above", flush=True)
+                return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def stop_all(procs: list[MeshProcess], grace: float = 10.0) -> None:
+    """SIGTERM in reverse start order (gateway first), wait ``grace`` seconds, then SIGKILL stragglers."""
+    for p in reversed(procs):
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in reversed(procs):
+        try:
+            p.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.proc.kill()
+            p.proc.wait()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="embedmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default=env.get("EMBEDMESH_HOST", "127.0.0.1"))
+    p.add_argument("--gateway-port", type=int, default=int(env.get("EMBEDMESH_GATEWAY_PORT", "8000")))
+    p.add_argument("--preprocessor-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_PORT", "50051")))
+    p.add_argument("--worker-port", type=int, default=int(env.get("EMBEDMESH_WORKER_PORT", "50061")),
+                   help="first worker's port; further workers take the next ports")
+    p.add_argument("--workers", type=int, default=int(env.get("EMBEDMESH_NUM_WORKERS", "1")))
+    p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"))
+    p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", "default"))
+    p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "2")))
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    return p.parse_args(argv)
+
+
+def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
+    env = dict(os.environ)
+    procs: list[MeshProcess] = []
+    worker_addrs = []
+    for i in range(a.workers):
+        addr = f"{a.host}:{a.worker_port + i}"
+        worker_addrs.append(addr)
+        args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", a.model,
+                "--threads", str(a.worker_threads)]
+        procs.append(MeshProcess(f"worker-{i}", addr, _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)))
+    pre_addr = f"{a.host}:{a.preprocessor_port}"
+    pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
+    if a.engine == "echo":
+        pre_args += ["--tokenizer", a.model]
+    procs.append(MeshProcess("preprocessor", pre_addr,
+                             _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
+    gw_addr = f"http://{a.host}:{a.gateway_port}"
+    gw_args = ["--host", a.host, "--port", str(a.gateway_port), "--preprocessor", pre_addr]
+    procs.append(MeshProcess("gateway", gw_addr, _spawn("gateway", "embedmesh.gateway.main", gw_args, env)))
+    return procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    procs = start_mesh(a)
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        print("[launcher] starting embedmesh:", flush=True)
+        for p in procs:
+            print(f"[launcher]   {p.name:<13} {p.address}  (pid {p.proc.pid})", flush=True)
+        gateway = procs[-1].address
+        if not _wait_healthy(f"{gateway}/health", procs, a.ready_timeout):
+            print("[launcher] the mesh did not become healthy; stopping. Check the logs above.", flush=True)
+            stop_all(procs)
+            return 1
+        print(f"[launcher] mesh ready: OpenAI API at {gateway}/v1, gRPC InferenceService at {procs[-2].address}",
+              flush=True)
+        print("[launcher] press Ctrl-C to stop", flush=True)
+        while True:
+            for p in procs:
+                if p.proc.poll() is not None:
+                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
+                    stop_all(procs)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\n[launcher] stopping (draining in-flight requests)...", flush=True)
+        stop_all(procs)
+        print("[launcher] stopped", flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

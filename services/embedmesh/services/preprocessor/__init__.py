@@ -1,0 +1,1 @@
+"""The preprocessor: the mesh's public gRPC entry (``embedmesh.inference.v1.InferenceService``)."""

@@ -1,0 +1,63 @@
+"""Preprocessor configuration: one typed dataclass; CLI flags and ``EMBEDMESH_*`` env vars are read here only."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+__all__ = ["PreprocessorConfig"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PreprocessorConfig:
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 50051
+    """gRPC port of the public inference API (0 = any free port)."""
+    workers: tuple[str, ...] = ("127.0.0.1:50061",)
+    """Worker addresses (host:port)."""
+    tokenizer: str = "default"
+    """Model folder whose tokenizer.json is used for text prompts ("default" = the bundled SmolLM2)."""
+    max_embeds_bytes: int = 256 * MiB
+    """Cap on one decoded prompt_embeds tensor (EMBEDMESH_MAX_EMBEDS_BYTES); checked before allocation."""
+    max_message_bytes: int = 512 * MiB
+    """Largest gRPC message accepted or sent."""
+    max_n: int = 16
+    """Largest `n` (choices per prompt)."""
+    max_prompts: int = 64
+    """Most prompts in one request."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.workers:
+            raise ValueError("at least one worker address is required")
+        if self.max_embeds_bytes < 1024:
+            raise ValueError("max_embeds_bytes must be >= 1024")
+        if self.max_message_bytes < 4 * MiB:
+            raise ValueError("max_message_bytes must be >= 4 MiB")
+        if self.max_n < 1 or self.max_prompts < 1:
+            raise ValueError("max_n and max_prompts must be >= 1")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> PreprocessorConfig:
+        env = os.environ
+        p = argparse.ArgumentParser(prog="embedmesh-preprocessor", description="Run the embedmesh preprocessor.")
+        p.add_argument("--host", default=env.get("EMBEDMESH_PREPROCESSOR_HOST", cls.host))
+        p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_PORT", cls.port)))
+        p.add_argument("--workers", default=env.get("EMBEDMESH_WORKERS", ",".join(cls.workers)),
+                       help="comma-separated worker addresses")
+        p.add_argument("--tokenizer", default=env.get("EMBEDMESH_TOKENIZER", cls.tokenizer))
+        p.add_argument("--max-embeds-bytes", type=int,
+                       default=int(env.get("EMBEDMESH_MAX_EMBEDS_BYTES", cls.max_embeds_bytes)))
+        p.add_argument("--max-message-bytes", type=int,
+                       default=int(env.get("EMBEDMESH_MAX_MESSAGE_BYTES", cls.max_message_bytes)))
+        a = p.parse_args(argv)
+        workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
+        return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes)
+
+    def describe(self) -> dict[str, object]:
+        return asdict(self)

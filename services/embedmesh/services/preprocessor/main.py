@@ -1,0 +1,67 @@
+"""Preprocessor bootstrap: config, tokenizer, worker pool, serve. SERVING once every worker has served."""
+
+from __future__ import annotations
+
+import asyncio
+
+from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.inference.v1 import inference_pb2_grpc
+from embedmesh.services.preprocessor.config import PreprocessorConfig
+from embedmesh.services.preprocessor.prompts import Tokenizer
+from embedmesh.services.preprocessor.servicer import InferenceServicer
+from embedmesh.services.preprocessor.workers import WorkerPool
+
+log = get_logger("embedmesh.preprocessor")
+
+SERVICE_NAME = "embedmesh.inference.v1.InferenceService"
+
+
+def _tokenizer_folder(spec: str):  # type: ignore[no-untyped-def]
+    from embedmesh.models.convert import resolve_model_path
+
+    return resolve_model_path(spec)
+
+
+async def _follow_health(server: Server, pool: WorkerPool) -> None:
+    """Mirror the workers: SERVING once all have served and one serves now; NOT_SERVING when none does."""
+    serving = False
+    while True:
+        await pool.changed.wait()
+        pool.changed.clear()
+        now = pool.all_started() if not serving else any(w.healthy for w in pool.workers)
+        if now != serving:
+            serving = now
+            await server.set_serving(serving)
+            log.info("health", extra={"serving": serving})
+            if serving:
+                print(f"preprocessor serving on {server.address}", flush=True)
+
+
+async def serve(config: PreprocessorConfig) -> None:
+    tokenizer = Tokenizer(_tokenizer_folder(config.tokenizer))
+    pool = WorkerPool(config.workers, config.max_message_bytes)
+    server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
+                                                  max_message_bytes=config.max_message_bytes))
+    server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
+               InferenceServicer(pool, tokenizer, config), SERVICE_NAME)
+    server.on_drain(pool.close)
+    await server.start()
+    server.install_signal_handlers()
+    print(f"preprocessor listening on {server.address} (waiting for workers {', '.join(config.workers)})",
+          flush=True)
+    pool.start()
+    follower = asyncio.create_task(_follow_health(server, pool))
+    await server.wait_for_termination()
+    follower.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = PreprocessorConfig.from_args(argv)
+    setup_logging("preprocessor")
+    log.info("config", extra={"config": config.describe()})
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

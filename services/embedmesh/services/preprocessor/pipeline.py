@@ -1,0 +1,143 @@
+"""Run a completion: fan each (prompt, choice) out to a worker, merge the workers' streams into one stream of
+deltas tagged by choice index, and account usage. Cancelling the consumer cancels every worker call.
+
+Choice i of prompt p has index ``p * n + i``; with a seed, choice i samples with ``seed + i`` so choices differ
+while the same request repeated gives the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import grpc
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.core import tensors
+from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
+from embedmesh.core.logs import get_logger
+from embedmesh.core.sampling import SamplingParams
+from embedmesh.services.preprocessor.prompts import Prompt
+from embedmesh.services.preprocessor.workers import WorkerPool
+from embedmesh.worker.v1 import worker_pb2
+
+__all__ = ["Job", "Delta", "run_job"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    model: str
+    prompts: list[Prompt]
+    sampling: SamplingParams
+    n: int
+    model_dtype: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: int
+    """common_pb2.FinishReason; UNSPECIFIED until the choice's last delta."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _segment(prompt: Prompt, dtype: int) -> worker_pb2.PromptSegment:
+    if prompt.token_ids is not None:
+        return worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=prompt.token_ids))
+    assert prompt.embeds is not None
+    return worker_pb2.PromptSegment(embeds=tensors.from_numpy(prompt.embeds, dtype))
+
+
+def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=list(s.stop), ignore_eos=s.ignore_eos
+    )
+    if s.top_k:
+        p.top_k = s.top_k
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
+    """Yield deltas as workers produce them, then one Usage."""
+    out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
+    tasks: list[asyncio.Task[None]] = []
+    segments = [_segment(p, job.model_dtype) for p in job.prompts]
+    for p_index, segment in enumerate(segments):
+        for i in range(job.n):
+            index = p_index * job.n + i
+            sampling = job.sampling
+            if sampling.seed is not None and i:
+                sampling = replace(sampling, seed=sampling.seed + i)
+            req = worker_pb2.GenerateRequest(
+                request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
+                segments=[segment],
+                sampling=_sampling_proto(sampling),
+            )
+            tasks.append(asyncio.create_task(_one(index, req, job.model, pool, out)))
+    remaining = len(tasks)
+    completion = 0
+    try:
+        while remaining:
+            item = await out.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, resp = item
+            yield Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason)
+            if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                remaining -= 1
+                completion += resp.completion_tokens
+        yield Usage(sum(len(p) for p in job.prompts), completion)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one(
+    index: int,
+    req: worker_pb2.GenerateRequest,
+    model: str,
+    pool: WorkerPool,
+    out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
+) -> None:
+    worker = None
+    call = None
+    try:
+        worker = pool.pick(model)
+        worker.inflight += 1
+        call = worker.stub.Generate(req)
+        async for resp in call:
+            if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                raise Unavailable(f"worker {worker.address} aborted the sequence; retry", reason="WORKER_ABORTED")
+            out.put_nowait((index, resp))
+    except asyncio.CancelledError:
+        raise
+    except grpc.aio.AioRpcError as e:
+        err = from_rpc_error(e)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            err = Unavailable(f"worker {worker.address if worker else '?'} is unavailable: {e.details()}",
+                              reason="WORKER_UNAVAILABLE")
+        out.put_nowait(err)
+    except EmbedmeshError as e:
+        out.put_nowait(e)
+    except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to INTERNAL
+        out.put_nowait(e)
+    finally:
+        if call is not None:
+            call.cancel()
+        if worker is not None:
+            worker.inflight -= 1

@@ -1,0 +1,114 @@
+"""Turn a completion request's prompts into engine prompts: tokenize text, decode and validate embeddings,
+check token ids and context length. Choice order: embeddings prompts first, then token-id prompts, then text."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds
+
+__all__ = ["Prompt", "RawEmbeds", "Tokenizer", "build_prompts"]
+
+
+@dataclass(frozen=True)
+class RawEmbeds:
+    """One prompt_embeds entry as it arrived: serialized bytes or an already-typed raw tensor."""
+
+    encoded: bytes | None = None
+    array: np.ndarray | None = None
+    dtype: int = 0
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a worker receives for one prompt: token ids or embedding rows (model dtype)."""
+
+    token_ids: tuple[int, ...] | None = None
+    embeds: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else int(self.embeds.shape[0])  # type: ignore[union-attr]
+
+
+class Tokenizer:
+    """The model's fast tokenizer, loaded from tokenizer.json (no transformers, no torch)."""
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(str(folder / "tokenizer.json"))
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text).ids)
+
+
+async def build_prompts(
+    *,
+    texts: list[str],
+    token_prompts: list[list[int]],
+    embeds: list[RawEmbeds],
+    spec: ModelSpec,
+    vocab_size: int,
+    max_tokens: int,
+    max_embeds_bytes: int,
+    tokenizer: Tokenizer,
+    max_prompts: int,
+) -> list[Prompt]:
+    """Validate every prompt; raise InvalidArgument naming the first bad one."""
+    # The openai SDK requires `prompt`; vLLM's own example sends prompt="" beside prompt_embeds. Drop empties then.
+    if embeds or token_prompts:
+        texts = [t for t in texts if t != ""]
+    total = len(texts) + len(token_prompts) + len(embeds)
+    if total == 0:
+        raise InvalidArgument("either prompt or prompt_embeds is required", field="prompt", reason="MISSING_PROMPT")
+    if total > max_prompts:
+        raise InvalidArgument(f"at most {max_prompts} prompts per request, got {total}", field="prompt",
+                              reason="TOO_MANY_PROMPTS")
+    out: list[Prompt] = []
+    for i, raw in enumerate(embeds):
+        field = "prompt_embeds" if len(embeds) == 1 else f"prompt_embeds[{i}]"
+        if raw.encoded is not None and len(raw.encoded) > 1 << 20:
+            arr = await asyncio.to_thread(_decode, raw, spec, field, max_tokens, max_embeds_bytes)
+        else:
+            arr = _decode(raw, spec, field, max_tokens, max_embeds_bytes)
+        out.append(Prompt(embeds=arr))
+    for i, ids in enumerate(token_prompts):
+        field = "prompt" if len(token_prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise InvalidArgument(f"{field}: token id list is empty", field=field, reason="EMPTY_PROMPT")
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise InvalidArgument(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
+                                  field=field, reason="TOKEN_OUT_OF_RANGE")
+        out.append(_checked(Prompt(token_ids=tuple(ids)), spec, field, max_tokens))
+    for i, text in enumerate(texts):
+        field = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+        if text == "":
+            raise InvalidArgument(f"{field}: empty text prompt", field=field, reason="EMPTY_PROMPT")
+        out.append(_checked(Prompt(token_ids=tokenizer.encode(text)), spec, field, max_tokens))
+    return out
+
+
+def _decode(raw: RawEmbeds, spec: ModelSpec, field: str, max_tokens: int, max_bytes: int) -> np.ndarray:
+    return decode_prompt_embeds(
+        encoded=raw.encoded, array=raw.array, dtype=raw.dtype, spec=spec, field=field, max_tokens=max_tokens,
+        max_bytes=max_bytes,
+    )
+
+
+def _checked(p: Prompt, spec: ModelSpec, field: str, max_tokens: int) -> Prompt:
+    if len(p) == 0:
+        raise InvalidArgument(f"{field}: the prompt tokenizes to nothing", field=field, reason="EMPTY_PROMPT")
+    if len(p) + max_tokens > spec.max_context_tokens:
+        raise InvalidArgument(
+            f"{field}: {len(p)} prompt tokens + max_tokens {max_tokens} exceed the model's context of "
+            f"{spec.max_context_tokens}",
+            field=field,
+            reason="CONTEXT_OVERFLOW",
+        )
+    return p

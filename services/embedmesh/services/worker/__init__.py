@@ -1,0 +1,1 @@
+"""A worker: one engine instance behind ``embedmesh.worker.v1.WorkerService``."""

@@ -1,0 +1,63 @@
+"""Worker configuration: one typed dataclass, read from CLI flags and ``EMBEDMESH_WORKER_*`` env vars in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+
+__all__ = ["WorkerConfig"]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: str = "hf"
+    """Engine kind: "hf" (transformers, the default) or "echo" (no model; for overhead benchmarks)."""
+    model: str = "default"
+    """Local Hugging Face folder, or "default" for the bundled SmolLM2-135M-Instruct."""
+    served_name: str = ""
+    """Name clients use; defaults to the default model's name or the folder's name."""
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 50061
+    """gRPC port (0 = any free port)."""
+    max_batch_size: int = 8
+    """Most sequences decoded together (hf)."""
+    threads: int = 2
+    """torch threads (hf)."""
+    dtype: str = "float32"
+    """Compute dtype for hf: float32, bfloat16 or float16."""
+    hidden_size: int = 576
+    """Hidden size the echo engine claims."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("hf", "echo"):
+            raise ValueError(f"engine must be 'hf' or 'echo', got {self.engine!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
+        env = os.environ
+        p = argparse.ArgumentParser(prog="embedmesh-worker", description="Run one embedmesh worker.")
+        p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", cls.engine))
+        p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", cls.model))
+        p.add_argument("--served-name", default=env.get("EMBEDMESH_WORKER_SERVED_NAME", cls.served_name))
+        p.add_argument("--host", default=env.get("EMBEDMESH_WORKER_HOST", cls.host))
+        p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_WORKER_PORT", cls.port)))
+        p.add_argument("--max-batch-size", type=int,
+                       default=int(env.get("EMBEDMESH_WORKER_MAX_BATCH_SIZE", cls.max_batch_size)))
+        p.add_argument("--threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", cls.threads)))
+        p.add_argument("--dtype", default=env.get("EMBEDMESH_WORKER_DTYPE", cls.dtype))
+        p.add_argument("--hidden-size", type=int, default=cls.hidden_size)
+        a = p.parse_args(argv)
+        return cls(**{k: v for k, v in vars(a).items()})
+
+    def describe(self) -> dict[str, object]:
+        return asdict(self)

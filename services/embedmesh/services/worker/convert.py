@@ -1,0 +1,67 @@
+"""Protobuf <-> engine domain types for the worker. The only module here that sees ``*_pb2``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.core import tensors
+from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.worker.engines.base import (
+    EmbedsSegment,
+    FinishReason,
+    GenerationDelta,
+    GenerationRequest,
+    ModelInfo,
+    Segment,
+    TokenSegment,
+)
+from embedmesh.worker.v1 import worker_pb2
+
+__all__ = ["request_from_proto", "delta_to_proto", "info_to_proto", "FINISH_TO_PROTO"]
+
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+def request_from_proto(req: worker_pb2.GenerateRequest) -> GenerationRequest:
+    segments: list[Segment] = []
+    for i, seg in enumerate(req.segments):
+        kind = seg.WhichOneof("kind")
+        if kind == "token_ids":
+            segments.append(TokenSegment(tuple(seg.token_ids.ids)))
+        elif kind == "embeds":
+            arr, _ = tensors.to_numpy(seg.embeds, field=f"segments[{i}].embeds")
+            segments.append(EmbedsSegment(np.asarray(arr)))
+        else:
+            raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")
+    if not req.request_id:
+        raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
+    return GenerationRequest(req.request_id, segments, sampling_from_proto(req.sampling))
+
+
+def delta_to_proto(d: GenerationDelta, prompt_tokens: int) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        text=d.text,
+        token_ids=list(d.token_ids),
+        finish_reason=FINISH_TO_PROTO[d.finish_reason],
+        prompt_tokens=prompt_tokens if d.finish_reason is not None else 0,
+        completion_tokens=d.completion_tokens,
+    )
+
+
+def info_to_proto(info: ModelInfo, worker_id: str) -> worker_pb2.GetInfoResponse:
+    return worker_pb2.GetInfoResponse(
+        model=info.model,
+        engine=info.engine,
+        hidden_size=info.hidden_size,
+        max_context_tokens=info.max_context_tokens,
+        dtype=tensors.dtype_from_name(info.dtype),
+        vocab_size=info.vocab_size,
+        worker_id=worker_id,
+        max_batch_size=info.max_batch_size,
+    )

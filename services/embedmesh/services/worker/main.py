@@ -1,0 +1,58 @@
+"""Worker bootstrap: parse config, build the engine, serve (NOT_SERVING until the model is loaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.services.worker.config import WorkerConfig
+from embedmesh.services.worker.engines.base import Engine
+from embedmesh.services.worker.servicer import WorkerServicer
+from embedmesh.worker.v1 import worker_pb2_grpc
+
+log = get_logger("embedmesh.worker")
+
+SERVICE_NAME = "embedmesh.worker.v1.WorkerService"
+
+
+def build_engine(config: WorkerConfig) -> Engine:
+    if config.engine == "echo":
+        from embedmesh.services.worker.engines.echo import EchoEngine
+
+        return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
+    from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
+    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+
+    path = resolve_model_path(config.model)
+    name = config.served_name or (DEFAULT_MODEL if config.model in ("default", DEFAULT_MODEL) else path.name)
+    return HFEngine(HFEngineConfig(path, name, config.max_batch_size, config.threads, config.dtype))
+
+
+async def serve(config: WorkerConfig) -> None:
+    worker_id = f"{config.engine}-{uuid.uuid4().hex[:8]}"
+    engine = build_engine(config)
+    server = Server("worker", ServerOptions(host=config.host, port=config.port))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id), SERVICE_NAME)
+    server.on_drain(engine.shutdown)
+    await server.start()
+    server.install_signal_handlers()
+    print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
+    await engine.start()
+    await server.set_serving(True)
+    info = engine.info()
+    log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
+    print(f"worker {worker_id} serving model {info.model!r} on {server.address}", flush=True)
+    await server.wait_for_termination()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = WorkerConfig.from_args(argv)
+    setup_logging("worker")
+    log.info("config", extra={"config": config.describe()})
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Thin gRPC adapter: WorkerService messages in, engine calls, messages out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from embedmesh.core.logs import get_logger
+from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
+from embedmesh.services.worker.engines.base import Engine
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+
+__all__ = ["WorkerServicer"]
+
+log = get_logger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        req = request_from_proto(request)
+        prompt_len = req.prompt_len
+        stream = self.engine.generate(req)
+        try:
+            async for delta in stream:
+                yield delta_to_proto(delta, prompt_len)
+        finally:
+            # Cancellation (caller gone) lands here; closing the engine's stream aborts the sequence.
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def Abort(  # noqa: N802
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def GetInfo(  # noqa: N802
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetInfoResponse:
+        return info_to_proto(self.engine.info(), self.worker_id)
+
+    async def GetStats(  # noqa: N802
+        self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetStatsResponse:
+        s = self.engine.stats()
+        return worker_pb2.GetStatsResponse(
+            active_requests=s.active_requests,
+            queued_requests=s.queued_requests,
+            completed_requests=s.completed_requests,
+            aborted_requests=s.aborted_requests,
+            generated_tokens=s.generated_tokens,
+            max_batch_seen=s.max_batch_seen,
+        )
