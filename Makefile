@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 CACHE ?= $(HOME)/.cache/embedmesh
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint clean
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps clean
+
+BUF_VERSION := 1.75.0
+BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +31,25 @@ model: venv
 run: venv model
 	$(PY) -m embedmesh.launcher
 
-test: venv model
+# Debian packages the tests start for real (CI runs as root on a fresh machine).
+sysdeps:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+$(BUF):
+	mkdir -p $(CACHE)/tools/buf-$(BUF_VERSION)
+	cd $(CACHE)/tools/buf-$(BUF_VERSION) && npm install --silent --no-audit --no-fund @bufbuild/buf@$(BUF_VERSION)
+
+lint-proto: $(BUF)
+	cd protos && $(BUF) lint
+
+test: venv model sysdeps lint-proto
 	$(PY) -m pytest tests
+
+test-unit: venv model
+	$(PY) -m pytest tests/unit
+
+test-e2e: venv model sysdeps
+	$(PY) -m pytest tests/e2e
 
 bench: venv model
 	$(PY) bench/run_all.py

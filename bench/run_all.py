@@ -1,0 +1,29 @@
+"""``make bench``: run every benchmark script in turn (never in parallel: 2 cores) and print their tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ["bench_mesh.py", "bench_encoder_cache.py", "bench_router.py", "router_sim.py"]
+
+
+def main() -> int:
+    failed = []
+    for name in SCRIPTS:
+        path = HERE / name
+        if not path.exists():
+            continue
+        print(f"\n===== {name} =====", flush=True)
+        r = subprocess.run([sys.executable, str(path), *sys.argv[1:]], cwd=HERE.parent)
+        if r.returncode:
+            failed.append(name)
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Start a real mesh (the launcher: workers, preprocessor, gateway as separate processes) on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+__all__ = ["free_port", "Mesh", "start_mesh"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Mesh:
+    proc: subprocess.Popen[bytes]
+    gateway_port: int
+    preprocessor_port: int
+    worker_ports: list[int]
+    log_path: str
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def preprocessor(self) -> str:
+        return f"127.0.0.1:{self.preprocessor_port}"
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.worker_ports]
+
+    def log_tail(self, n: int = 4000) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_mesh(
+    *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
+    env: dict[str, str] | None = None,
+) -> Mesh:
+    gw, pre = free_port(), free_port()
+    first = free_port()
+    ports = [first + i for i in range(workers)]
+    log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
+    log = open(log_path, "wb")
+    cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
+           "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    mesh = Mesh(proc, gw, pre, ports, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mesh exited early ({proc.returncode}):\n{mesh.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return mesh
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.5)
+    mesh.stop()
+    raise RuntimeError(f"mesh not healthy after {timeout}s:\n{mesh.log_tail()}")

@@ -1,0 +1,122 @@
+"""The shared bootstrap: errors become status codes with details, surprises become INTERNAL without internals,
+health follows loading and draining, messages above gRPC's 4 MiB default pass."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
+from embedmesh.core.server import Server, ServerOptions, insecure_channel
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+
+class Scripted(worker_pb2_grpc.WorkerServiceServicer):
+    """GetInfo raises what the test put in ``self.raise_``; Generate streams two deltas then raises it."""
+
+    raise_: BaseException | None = None
+
+    async def GetInfo(self, request: Any, context: Any) -> worker_pb2.GetInfoResponse:  # noqa: N802
+        if self.raise_:
+            raise self.raise_
+        return worker_pb2.GetInfoResponse(model="m")
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.GenerateResponse]:  # noqa: N802
+        yield worker_pb2.GenerateResponse(text="a")
+        if self.raise_:
+            raise self.raise_
+        yield worker_pb2.GenerateResponse(text=request.request_id)
+
+
+@pytest.fixture(scope="module")
+async def served() -> AsyncIterator[tuple[Server, Scripted, grpc.aio.Channel]]:
+    impl = Scripted()
+    server = Server("test", ServerOptions(port=0, grace_seconds=0.5))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, impl, "embedmesh.worker.v1.WorkerService")
+    await server.start()
+    channel = insecure_channel(server.address)
+    yield server, impl, channel
+    await channel.close()
+    await server.drain()
+
+
+@pytest.mark.parametrize(
+    "error,code,field,reason",
+    [
+        (InvalidArgument("prompt_embeds: bad", field="prompt_embeds", reason="BAD_SHAPE"),
+         grpc.StatusCode.INVALID_ARGUMENT, "prompt_embeds", "BAD_SHAPE"),
+        (NotFound("no such id", field="id"), grpc.StatusCode.NOT_FOUND, "id", "NOT_FOUND"),
+        (Unavailable("loading"), grpc.StatusCode.UNAVAILABLE, None, "UNAVAILABLE"),
+    ],
+)
+async def test_domain_errors_carry_code_field_and_reason(served: Any, error: Any, code: Any, field: Any,
+                                                         reason: str) -> None:
+    _, impl, channel = served
+    impl.raise_ = error
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    for call in (lambda: stub.GetInfo(worker_pb2.GetInfoRequest()),):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call()
+        assert info.value.code() == code
+        back = from_rpc_error(info.value)
+        assert (back.field, back.reason, back.message) == (field, reason, error.message)
+    # Errors raised mid-stream arrive after the deltas already sent.
+    got = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for r in stub.Generate(worker_pb2.GenerateRequest(request_id="x")):
+            got.append(r.text)
+    assert got == ["a"]
+    assert info.value.code() == code
+    impl.raise_ = None
+
+
+async def test_unexpected_errors_become_internal_without_internals(served: Any) -> None:
+    _, impl, channel = served
+    impl.raise_ = KeyError("secret-internal-detail")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await worker_pb2_grpc.WorkerServiceStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+    impl.raise_ = None
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in (info.value.details() or "")
+    assert "incident" in (info.value.details() or "")
+
+
+async def test_health_not_serving_until_set_then_serving(served: Any) -> None:
+    server, _, channel = served
+    health = health_pb2_grpc.HealthStub(channel)
+    name = "embedmesh.worker.v1.WorkerService"
+    r = await health.Check(health_pb2.HealthCheckRequest(service=name))
+    assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    await server.set_serving(True)
+    for service in ("", name):
+        r = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_messages_larger_than_grpc_default_pass(served: Any) -> None:
+    _, _, channel = served
+    big = "x" * (12 * 1024 * 1024)
+    got = [r.text async for r in worker_pb2_grpc.WorkerServiceStub(channel).Generate(
+        worker_pb2.GenerateRequest(request_id=big))]
+    assert got[-1] == big
+
+
+async def test_drain_flips_health_and_stops() -> None:
+    server = Server("drain", ServerOptions(port=0, grace_seconds=0.2))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Scripted(), "embedmesh.worker.v1.WorkerService")
+    await server.start()
+    await server.set_serving(True)
+    seen: list[int] = []
+
+    async def hook() -> None:
+        seen.append((await server.health.Check(health_pb2.HealthCheckRequest(service=""), None)).status)
+
+    server.on_drain(hook)
+    await server.drain()
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    await server.wait_for_termination()
