@@ -59,7 +59,6 @@ async def drive(fn: Any, concurrency: int, total: int) -> tuple[list[float], flo
 async def bench_overhead(total: int) -> None:
     import grpc
     import httpx
-
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
@@ -111,7 +110,6 @@ async def bench_ingest(repeats: int) -> None:
     import grpc
     import httpx
     import torch
-
     from embedmesh.core.server import channel_options
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.tensor.v1 import tensor_pb2
@@ -160,7 +158,6 @@ async def bench_ingest(repeats: int) -> None:
 
 async def bench_tokens(max_tokens: int) -> None:
     import grpc
-
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.models import DEFAULT_MODEL, ensure_default_model
@@ -188,7 +185,6 @@ async def bench_tokens(max_tokens: int) -> None:
         counts = await asyncio.gather(*[alone() for _ in range(c)])
         results[("engine alone (baseline)", c)] = sum(counts) / (time.perf_counter() - t)
     await engine.shutdown()
-    del engine
 
     mesh = start_mesh(engine="hf")
     try:

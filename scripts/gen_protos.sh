@@ -10,5 +10,5 @@ mkdir -p gen/python
 mapfile -t files < <(cd protos && find embedmesh -name '*.proto' | sort)
 (cd protos && "$PY" -m grpc_tools.protoc -I. \
   --python_out=../gen/python --grpc_python_out=../gen/python \
-  --mypy_out=../gen/python --mypy_grpc_out=../gen/python "${files[@]}")
+  --mypy_out=../gen/python --mypy_grpc_out=../gen/python "${files[@]}") 2> >(grep -v "^Writing mypy" >&2)
 echo "generated ${#files[@]} protos into gen/python"

@@ -65,7 +65,9 @@ def stop_all(procs: list[MeshProcess], grace: float = 10.0) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(prog="embedmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="embedmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--host", default=env.get("EMBEDMESH_HOST", "127.0.0.1"))
     p.add_argument("--gateway-port", type=int, default=int(env.get("EMBEDMESH_GATEWAY_PORT", "8000")))
     p.add_argument("--preprocessor-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_PORT", "50051")))
@@ -88,7 +90,8 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
         worker_addrs.append(addr)
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", a.model,
                 "--threads", str(a.worker_threads)]
-        procs.append(MeshProcess(f"worker-{i}", addr, _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)))
+        proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)
+        procs.append(MeshProcess(f"worker-{i}", addr, proc))
     pre_addr = f"{a.host}:{a.preprocessor_port}"
     pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
     if a.engine == "echo":

@@ -30,9 +30,8 @@ def mesh() -> Iterator[Mesh]:
 @pytest.fixture(scope="session")
 def hf_model() -> Any:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from embedmesh.models import ensure_default_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
 from embedmesh.core.logs import get_logger
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 __all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "ErrorInterceptor"]
 

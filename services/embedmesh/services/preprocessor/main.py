@@ -7,6 +7,7 @@ import asyncio
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.inference.v1 import inference_pb2_grpc
+from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.servicer import InferenceServicer
@@ -39,12 +40,14 @@ async def _follow_health(server: Server, pool: WorkerPool) -> None:
 
 
 async def serve(config: PreprocessorConfig) -> None:
-    tokenizer = Tokenizer(_tokenizer_folder(config.tokenizer))
+    folder = _tokenizer_folder(config.tokenizer)
+    tokenizer = Tokenizer(folder)
+    template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes)
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
                                                   max_message_bytes=config.max_message_bytes))
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, config), SERVICE_NAME)
+               InferenceServicer(pool, tokenizer, template, config), SERVICE_NAME)
     server.on_drain(pool.close)
     await server.start()
     server.install_signal_handlers()

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import grpc
-
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
@@ -53,11 +52,13 @@ class Usage:
     completion_tokens: int
 
 
-def _segment(prompt: Prompt, dtype: int) -> worker_pb2.PromptSegment:
-    if prompt.token_ids is not None:
-        return worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=prompt.token_ids))
-    assert prompt.embeds is not None
-    return worker_pb2.PromptSegment(embeds=tensors.from_numpy(prompt.embeds, dtype))
+def _segments(prompt: Prompt, dtype: int) -> list[worker_pb2.PromptSegment]:
+    return [
+        worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=piece))
+        if isinstance(piece, tuple)
+        else worker_pb2.PromptSegment(embeds=tensors.from_numpy(piece, dtype))
+        for piece in prompt.pieces
+    ]
 
 
 def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -75,7 +76,7 @@ async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
     """Yield deltas as workers produce them, then one Usage."""
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
-    segments = [_segment(p, job.model_dtype) for p in job.prompts]
+    segments = [_segments(p, job.model_dtype) for p in job.prompts]
     for p_index, segment in enumerate(segments):
         for i in range(job.n):
             index = p_index * job.n + i
@@ -84,7 +85,7 @@ async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
                 sampling = replace(sampling, seed=sampling.seed + i)
             req = worker_pb2.GenerateRequest(
                 request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
-                segments=[segment],
+                segments=segment,
                 sampling=_sampling_proto(sampling),
             )
             tasks.append(asyncio.create_task(_one(index, req, job.model, pool, out)))

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds
 
-__all__ = ["Prompt", "RawEmbeds", "Tokenizer", "build_prompts"]
+__all__ = ["Piece", "Prompt", "RawEmbeds", "Tokenizer", "build_prompts", "check_context", "decode_embeds"]
 
 
 @dataclass(frozen=True)
@@ -24,15 +23,26 @@ class RawEmbeds:
     dtype: int = 0
 
 
+Piece = tuple[int, ...] | np.ndarray
+"""Token ids, or embedding rows (rows, hidden) in the model dtype."""
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """What a worker receives for one prompt: token ids or embedding rows (model dtype)."""
+    """What a worker receives for one prompt: pieces of token ids and embedding rows, in order."""
 
-    token_ids: tuple[int, ...] | None = None
-    embeds: np.ndarray | None = None
+    pieces: tuple[Piece, ...]
+
+    @classmethod
+    def of_ids(cls, ids: tuple[int, ...]) -> Prompt:
+        return cls((ids,))
+
+    @classmethod
+    def of_embeds(cls, rows: np.ndarray) -> Prompt:
+        return cls((rows,))
 
     def __len__(self) -> int:
-        return len(self.token_ids) if self.token_ids is not None else int(self.embeds.shape[0])  # type: ignore[union-attr]
+        return sum(len(p) if isinstance(p, tuple) else int(p.shape[0]) for p in self.pieces)
 
 
 class Tokenizer:
@@ -43,8 +53,8 @@ class Tokenizer:
 
         self._tok = _Tok.from_file(str(folder / "tokenizer.json"))
 
-    def encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tok.encode(text).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
 
 async def build_prompts(
@@ -73,10 +83,10 @@ async def build_prompts(
     for i, raw in enumerate(embeds):
         field = "prompt_embeds" if len(embeds) == 1 else f"prompt_embeds[{i}]"
         if raw.encoded is not None and len(raw.encoded) > 1 << 20:
-            arr = await asyncio.to_thread(_decode, raw, spec, field, max_tokens, max_embeds_bytes)
+            arr = await asyncio.to_thread(decode_embeds, raw, spec, field, max_tokens, max_embeds_bytes)
         else:
-            arr = _decode(raw, spec, field, max_tokens, max_embeds_bytes)
-        out.append(Prompt(embeds=arr))
+            arr = decode_embeds(raw, spec, field, max_tokens, max_embeds_bytes)
+        out.append(Prompt.of_embeds(arr))
     for i, ids in enumerate(token_prompts):
         field = "prompt" if len(token_prompts) == 1 else f"prompt[{i}]"
         if not ids:
@@ -85,23 +95,23 @@ async def build_prompts(
         if bad:
             raise InvalidArgument(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
                                   field=field, reason="TOKEN_OUT_OF_RANGE")
-        out.append(_checked(Prompt(token_ids=tuple(ids)), spec, field, max_tokens))
+        out.append(check_context(Prompt.of_ids(tuple(ids)), spec, field, max_tokens))
     for i, text in enumerate(texts):
         field = "prompt" if len(texts) == 1 else f"prompt[{i}]"
         if text == "":
             raise InvalidArgument(f"{field}: empty text prompt", field=field, reason="EMPTY_PROMPT")
-        out.append(_checked(Prompt(token_ids=tokenizer.encode(text)), spec, field, max_tokens))
+        out.append(check_context(Prompt.of_ids(tokenizer.encode(text)), spec, field, max_tokens))
     return out
 
 
-def _decode(raw: RawEmbeds, spec: ModelSpec, field: str, max_tokens: int, max_bytes: int) -> np.ndarray:
+def decode_embeds(raw: RawEmbeds, spec: ModelSpec, field: str, max_tokens: int, max_bytes: int) -> np.ndarray:
     return decode_prompt_embeds(
         encoded=raw.encoded, array=raw.array, dtype=raw.dtype, spec=spec, field=field, max_tokens=max_tokens,
         max_bytes=max_bytes,
     )
 
 
-def _checked(p: Prompt, spec: ModelSpec, field: str, max_tokens: int) -> Prompt:
+def check_context(p: Prompt, spec: ModelSpec, field: str, max_tokens: int) -> Prompt:
     if len(p) == 0:
         raise InvalidArgument(f"{field}: the prompt tokenizes to nothing", field=field, reason="EMPTY_PROMPT")
     if len(p) + max_tokens > spec.max_context_tokens:

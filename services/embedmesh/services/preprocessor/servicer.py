@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
-
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
@@ -23,9 +25,12 @@ __all__ = ["InferenceServicer"]
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, pool: WorkerPool, tokenizer: Tokenizer, config: PreprocessorConfig) -> None:
+    def __init__(
+        self, pool: WorkerPool, tokenizer: Tokenizer, template: ChatTemplate, config: PreprocessorConfig
+    ) -> None:
         self.pool = pool
         self.tokenizer = tokenizer
+        self.template = template
         self.config = config
 
     async def _job(self, params: inference_pb2.CompletionParams) -> Job:
@@ -36,17 +41,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument(f"n must be in [1, {self.config.max_n}]", field="n", reason="OUT_OF_RANGE")
-        raw: list[RawEmbeds] = []
-        for i, pe in enumerate(params.prompt_embeds):
-            kind = pe.WhichOneof("source")
-            field = "prompt_embeds" if len(params.prompt_embeds) == 1 else f"prompt_embeds[{i}]"
-            if kind == "tensor":
-                arr, dtype = tensors.to_numpy(pe.tensor, field=field)
-                raw.append(RawEmbeds(array=arr, dtype=dtype))
-            elif kind == "encoded":
-                raw.append(RawEmbeds(encoded=pe.encoded.data))
-            else:
-                raise InvalidArgument(f"{field}: neither tensor nor encoded is set", field=field, reason="REQUIRED")
+        raw = [
+            _raw_embeds(pe, "prompt_embeds" if len(params.prompt_embeds) == 1 else f"prompt_embeds[{i}]")
+            for i, pe in enumerate(params.prompt_embeds)
+        ]
         spec = ModelSpec(hidden_size=info.hidden_size, max_context_tokens=info.max_context_tokens, dtype=info.dtype)
         prompts = await build_prompts(
             texts=list(params.prompts),
@@ -62,23 +60,62 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         rid = params.request_id or f"cmpl-{uuid.uuid4().hex}"
         return Job(rid, params.model, prompts, sampling, n, info.dtype)
 
+    async def _chat_job(self, params: inference_pb2.ChatParams) -> Job:
+        if not params.model:
+            raise InvalidArgument("model is required", field="model", reason="REQUIRED")
+        info = self.pool.spec(params.model)
+        sampling = sampling_from_proto(params.sampling)
+        n = params.n if params.HasField("n") else 1
+        if not 1 <= n <= self.config.max_n:
+            raise InvalidArgument(f"n must be in [1, {self.config.max_n}]", field="n", reason="OUT_OF_RANGE")
+        messages = []
+        for i, m in enumerate(params.messages):
+            parts = []
+            for j, part in enumerate(m.parts):
+                if part.WhichOneof("kind") == "prompt_embeds":
+                    parts.append(ChatPart(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]")))
+                else:
+                    parts.append(ChatPart(text=part.text))
+            messages.append(ChatMessage(m.role, tuple(parts), m.name))
+        spec = ModelSpec(hidden_size=info.hidden_size, max_context_tokens=info.max_context_tokens, dtype=info.dtype)
+        prompt = await asyncio.to_thread(
+            build_chat_prompt, messages, template=self.template, tokenizer=self.tokenizer, spec=spec,
+            max_tokens=sampling.max_tokens, max_embeds_bytes=self.config.max_embeds_bytes,
+        )
+        rid = params.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        return Job(rid, params.model, [prompt], sampling, n, info.dtype)
+
+    async def _stream(self, job: Job, cls: Any) -> AsyncIterator[Any]:
+        async for item in run_job(job, self.pool):
+            if isinstance(item, Delta):
+                yield cls(id=job.request_id, model=job.model, index=item.index, text=item.text,
+                          token_ids=item.token_ids, finish_reason=item.finish_reason)
+            else:
+                yield cls(id=job.request_id, model=job.model, usage=_usage(item))
+
     async def StreamComplete(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.StreamCompleteRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        job = await self._job(request.params)
-        async for item in run_job(job, self.pool):
-            if isinstance(item, Delta):
-                yield inference_pb2.StreamCompleteResponse(
-                    id=job.request_id, model=job.model, index=item.index, text=item.text,
-                    token_ids=item.token_ids, finish_reason=item.finish_reason,  # type: ignore[arg-type]
-                )
-            else:
-                yield inference_pb2.StreamCompleteResponse(id=job.request_id, model=job.model, usage=_usage(item))
+        async for item in self._stream(await self._job(request.params), inference_pb2.StreamCompleteResponse):
+            yield item
+
+    async def StreamChat(  # noqa: N802
+        self, request: inference_pb2.StreamChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
+        async for item in self._stream(await self._chat_job(request.params), inference_pb2.StreamChatResponse):
+            yield item
 
     async def Complete(  # noqa: N802
         self, request: inference_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
-        job = await self._job(request.params)
+        return await self._collect(await self._job(request.params), inference_pb2.CompleteResponse)
+
+    async def Chat(  # noqa: N802
+        self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ChatResponse:
+        return await self._collect(await self._chat_job(request.params), inference_pb2.ChatResponse)
+
+    async def _collect(self, job: Job, cls: Any) -> Any:
         count = len(job.prompts) * job.n
         texts: list[list[str]] = [[] for _ in range(count)]
         ids: list[list[int]] = [[] for _ in range(count)]
@@ -93,7 +130,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             else:
                 usage = item
         assert usage is not None
-        return inference_pb2.CompleteResponse(
+        return cls(
             id=job.request_id,
             model=job.model,
             choices=[
@@ -122,6 +159,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 )
             )
         return inference_pb2.ListModelsResponse(models=out)
+
+
+def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
+    kind = pe.WhichOneof("source")
+    if kind == "tensor":
+        arr, dtype = tensors.to_numpy(pe.tensor, field=field)
+        return RawEmbeds(array=arr, dtype=dtype)
+    if kind == "encoded":
+        return RawEmbeds(encoded=pe.encoded.data)
+    raise InvalidArgument(f"{field}: neither tensor nor encoded is set", field=field, reason="REQUIRED")
 
 
 def _usage(u: Usage) -> common_pb2.Usage:

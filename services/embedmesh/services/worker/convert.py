@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
-from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     FinishReason,

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams
 from embedmesh.services.worker.engines.base import (
@@ -18,7 +17,6 @@ from embedmesh.services.worker.engines.base import (
     GenerationRequest,
     TokenSegment,
 )
-
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
-
 from embedmesh.core.sampling import SamplingParams
 
 __all__ = [
@@ -128,10 +127,10 @@ class Engine(ABC):
     def stats(self) -> EngineStats:
         """Counters for GetStats and metrics."""
 
-    async def check_health(self) -> None:
+    async def check_health(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise if the engine can no longer serve."""
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release the engine."""
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import (
@@ -119,7 +118,8 @@ class HFEngine(Engine):
             vocab_size=int(self.embed.weight.shape[0]),
             max_batch_size=self.config.max_batch_size,
         )
-        log.info("model loaded", extra={"path": str(self.config.model_path), "seconds": round(time.monotonic() - t0, 2)})
+        seconds = round(time.monotonic() - t0, 2)
+        log.info("model loaded", extra={"path": str(self.config.model_path), "seconds": seconds})
 
     def info(self) -> ModelInfo:
         if self._info is None:
@@ -393,6 +393,6 @@ class HFEngine(Engine):
             s.done = True
             self._stats.completed_requests += 1
         if text or finish is not None:
-            ids = tuple(s.generated[s.detok.emitted_tokens:]) if finish is None else tuple(s.generated[s.detok.emitted_tokens:])
+            ids = tuple(s.generated[s.detok.emitted_tokens:])
             s.detok.emitted_tokens = len(s.generated)
             s.emit(GenerationDelta(text, ids, len(s.generated), finish))

@@ -1,0 +1,149 @@
+"""Chat prompts with prompt-embeddings content parts.
+
+The model's chat template is rendered with a per-request placeholder where each embeddings part stands; the
+rendered text is split at the placeholders, the text pieces are tokenized, and each placeholder becomes that
+tensor's rows. The engine sees one sequence: ids, rows, ids, ...
+
+Parts of one message are joined with a newline, as vLLM joins them, so a conversation moved from vLLM renders to
+the same prompt. The documented placeholder ``<|prompt_embeds|>`` typed in a text part is refused (it would look
+like an embeddings slot); the placeholder actually used carries a random nonce, so no text can forge one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.preprocessor.embeds import ModelSpec
+from embedmesh.services.preprocessor.prompts import (
+    Piece,
+    Prompt,
+    RawEmbeds,
+    Tokenizer,
+    check_context,
+    decode_embeds,
+)
+
+__all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "ROLES"]
+
+PLACEHOLDER = "<|prompt_embeds|>"
+"""The documented name of an embeddings slot; refused inside text parts."""
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class ChatPart:
+    """A text part or an embeddings part (exactly one is set)."""
+
+    text: str | None = None
+    embeds: RawEmbeds | None = None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    parts: tuple[ChatPart, ...]
+    name: str = ""
+
+
+class ChatTemplate:
+    """The model's Jinja chat template, rendered in a sandbox the way transformers renders it."""
+
+    def __init__(self, folder: Path) -> None:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        config: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        source = config.get("chat_template")
+        if (folder / "chat_template.jinja").exists():
+            source = (folder / "chat_template.jinja").read_text()
+        if not source:
+            raise ValueError(f"{folder} has no chat template (chat_template.jinja or tokenizer_config.json)")
+
+        def raise_exception(message: str) -> None:
+            raise InvalidArgument(f"messages: {message}", field="messages", reason="TEMPLATE_REJECTED")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(source)
+        self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+def build_chat_prompt(
+    messages: list[ChatMessage],
+    *,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    spec: ModelSpec,
+    max_tokens: int,
+    max_embeds_bytes: int,
+) -> Prompt:
+    """Validate the conversation, render it, and return the prompt as ids and embedding rows in order."""
+    if not messages:
+        raise InvalidArgument("messages must hold at least one message", field="messages", reason="EMPTY")
+    nonce = secrets.token_hex(8)
+    slots: list[np.ndarray] = []
+    rendered_messages: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(f"messages[{i}].role must be one of {list(ROLES)}, got {m.role!r}",
+                                  field=f"messages[{i}].role", reason="UNKNOWN_ROLE")
+        texts: list[str] = []
+        for j, part in enumerate(m.parts):
+            field = f"messages[{i}].content[{j}]" if len(m.parts) > 1 or part.embeds is not None \
+                else f"messages[{i}].content"
+            if part.embeds is not None:
+                rows = decode_embeds(part.embeds, spec, field, max_tokens, max_embeds_bytes)
+                texts.append(f"<|embedmesh:{nonce}:{len(slots)}|>")
+                slots.append(rows)
+            else:
+                text = part.text or ""
+                if PLACEHOLDER in text:
+                    raise InvalidArgument(
+                        f"{field}: text contains the reserved placeholder {PLACEHOLDER}; send embeddings as a "
+                        f'{{"type": "prompt_embeds"}} part instead',
+                        field=field, reason="PLACEHOLDER_IN_TEXT",
+                    )
+                texts.append(text)
+        entry = {"role": m.role, "content": "\n".join(texts)}
+        if m.name:
+            entry["name"] = m.name
+        rendered_messages.append(entry)
+    rendered = template.render(rendered_messages)
+    pieces: list[Piece] = []
+    pattern = re.compile(rf"<\|embedmesh:{nonce}:(\d+)\|>")
+    pos = 0
+    used = 0
+    for match in pattern.finditer(rendered):
+        if match.start() > pos:
+            pieces.append(tokenizer.encode(rendered[pos:match.start()], add_special_tokens=False))
+        pieces.append(slots[int(match.group(1))])
+        used += 1
+        pos = match.end()
+    if pos < len(rendered):
+        pieces.append(tokenizer.encode(rendered[pos:], add_special_tokens=False))
+    if used != len(slots):
+        raise InvalidArgument("messages: the chat template dropped an embeddings part (a role it does not render?)",
+                              field="messages", reason="EMBEDS_NOT_RENDERED")
+    return check_context(Prompt(tuple(p for p in pieces if len(p))), spec, "messages", max_tokens)
