@@ -1,0 +1,128 @@
+"""Chat prompt building: the template renders as transformers renders it, embeddings parts land where they stand,
+and the conversation rules give errors naming the part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.preprocessor.chat import (
+    PLACEHOLDER,
+    ChatMessage,
+    ChatPart,
+    ChatTemplate,
+    build_chat_prompt,
+)
+from embedmesh.services.preprocessor.embeds import ModelSpec
+from embedmesh.services.preprocessor.prompts import RawEmbeds, Tokenizer
+from embedmesh.tensor.v1 import tensor_pb2
+
+
+@pytest.fixture(scope="module")
+def folder() -> Any:
+    from embedmesh.models import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def hf_tok(folder: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def build(folder: Any) -> Any:
+    template, tok = ChatTemplate(folder), Tokenizer(folder)
+    spec = ModelSpec(hidden_size=576, max_context_tokens=8192, dtype=tensor_pb2.DATA_TYPE_FP32)
+
+    def run(messages: list[ChatMessage], max_tokens: int = 16) -> Any:
+        return build_chat_prompt(messages, template=template, tokenizer=tok, spec=spec, max_tokens=max_tokens,
+                                 max_embeds_bytes=1 << 26)
+
+    return run
+
+
+def text(role: str, *texts: str) -> ChatMessage:
+    return ChatMessage(role, tuple(ChatPart(text=t) for t in texts))
+
+
+def rows(n: int, fill: float = 0.5) -> RawEmbeds:
+    arr = np.full((n, 576), fill, dtype=np.float32)
+    return RawEmbeds(array=arr, dtype=tensor_pb2.DATA_TYPE_FP32)
+
+
+CONVERSATIONS = [
+    [text("user", "What is the capital of France?")],
+    [text("system", "You are terse."), text("user", "Hi there")],
+    [text("user", "Hello"), text("assistant", "Hi! How can I help?"), text("user", "Tell me a joke.")],
+]
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+def test_text_only_matches_transformers_apply_chat_template(build: Any, hf_tok: Any, conv: list[ChatMessage]) -> None:
+    prompt = build(conv)
+    expected = hf_tok.apply_chat_template(
+        [{"role": m.role, "content": m.parts[0].text} for m in conv], add_generation_prompt=True, tokenize=True,
+    )
+    if isinstance(expected, dict):
+        expected = expected["input_ids"]
+    assert len(prompt.pieces) == 1
+    assert list(prompt.pieces[0]) == list(expected)
+
+
+def test_embeddings_part_lands_between_the_text_around_it(build: Any, hf_tok: Any) -> None:
+    msg = ChatMessage("user", (ChatPart(text="Before"), ChatPart(embeds=rows(3)), ChatPart(text="After")))
+    prompt = build([msg])
+    kinds = ["ids" if isinstance(p, tuple) else "rows" for p in prompt.pieces]
+    assert kinds == ["ids", "rows", "ids"]
+    assert prompt.pieces[1].shape == (3, 576)
+    # Parts of one message are joined with a newline: the text around the slot ends/starts with it.
+    before = hf_tok.decode(list(prompt.pieces[0]))
+    after = hf_tok.decode(list(prompt.pieces[2]))
+    assert before.endswith("user\nBefore\n")
+    assert after.startswith("\nAfter<|im_end|>")
+    assert len(prompt) == len(prompt.pieces[0]) + 3 + len(prompt.pieces[2])
+
+
+def test_several_embeddings_parts_keep_their_order(build: Any) -> None:
+    msgs = [
+        ChatMessage("system", (ChatPart(embeds=rows(2, 0.1)),)),
+        ChatMessage("user", (ChatPart(embeds=rows(4, 0.2)), ChatPart(text="and"), ChatPart(embeds=rows(1, 0.3)))),
+    ]
+    slots = [p for p in build(msgs).pieces if not isinstance(p, tuple)]
+    assert [s.shape[0] for s in slots] == [2, 4, 1]
+    assert [float(s[0, 0]) for s in slots] == pytest.approx([0.1, 0.2, 0.3])
+
+
+@pytest.mark.parametrize(
+    "messages,field,reason",
+    [
+        ([], "messages", "EMPTY"),
+        ([text("wizard", "hi")], "messages[0].role", "UNKNOWN_ROLE"),
+        ([text("user", f"please fill {PLACEHOLDER} here")], "messages[0].content", "PLACEHOLDER_IN_TEXT"),
+        ([ChatMessage("user", (ChatPart(text="a"), ChatPart(text=PLACEHOLDER)))], "messages[0].content[1]",
+         "PLACEHOLDER_IN_TEXT"),
+        ([ChatMessage("user", (ChatPart(embeds=RawEmbeds(array=np.zeros((2, 7), np.float32),
+                                                          dtype=tensor_pb2.DATA_TYPE_FP32)),))],
+         "messages[0].content[0]", None),
+        ([ChatMessage("user", (ChatPart(embeds=RawEmbeds(encoded=b"garbage")),))], "messages[0].content[0]", None),
+        ([ChatMessage("user", (ChatPart(embeds=rows(8150)),))], "messages", "CONTEXT_OVERFLOW"),
+    ],
+)
+def test_bad_conversations_name_the_part(build: Any, messages: list[ChatMessage], field: str,
+                                         reason: str | None) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        build(messages)
+    assert info.value.field == field
+    if reason:
+        assert info.value.reason == reason
+
+
+def test_forged_nonce_placeholder_is_plain_text(build: Any) -> None:
+    prompt = build([text("user", "<|embedmesh:0000000000000000:0|>")])
+    assert all(isinstance(p, tuple) for p in prompt.pieces)
