@@ -59,6 +59,7 @@ async def drive(fn: Any, concurrency: int, total: int) -> tuple[list[float], flo
 async def bench_overhead(total: int) -> None:
     import grpc
     import httpx
+
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
@@ -110,6 +111,7 @@ async def bench_ingest(repeats: int) -> None:
     import grpc
     import httpx
     import torch
+
     from embedmesh.core.server import channel_options
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.tensor.v1 import tensor_pb2
@@ -158,6 +160,7 @@ async def bench_ingest(repeats: int) -> None:
 
 async def bench_tokens(max_tokens: int) -> None:
     import grpc
+
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.models import DEFAULT_MODEL, ensure_default_model

@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"))
     p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", "default"))
     p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "2")))
+    p.add_argument("--metrics-port-base", type=int, default=int(env.get("EMBEDMESH_METRICS_PORT_BASE", "9100")),
+                   help="Prometheus ports: preprocessor base+1, worker i base+10+i (0 = no metrics ports)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -90,10 +92,14 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
         worker_addrs.append(addr)
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", a.model,
                 "--threads", str(a.worker_threads)]
+        if a.metrics_port_base:
+            args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
         proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)
         procs.append(MeshProcess(f"worker-{i}", addr, proc))
     pre_addr = f"{a.host}:{a.preprocessor_port}"
     pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
+    if a.metrics_port_base:
+        pre_args += ["--metrics-port", str(a.metrics_port_base + 1)]
     if a.engine == "echo":
         pre_args += ["--tokenizer", a.model]
     procs.append(MeshProcess("preprocessor", pre_addr,
@@ -119,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         print("[launcher] starting embedmesh:", flush=True)
         for p in procs:
             print(f"[launcher]   {p.name:<13} {p.address}  (pid {p.proc.pid})", flush=True)
+        if a.metrics_port_base:
+            print(f"[launcher]   metrics: gateway {procs[-1].address}/metrics, preprocessor :{a.metrics_port_base + 1}"
+                  f", workers :{a.metrics_port_base + 10}..", flush=True)
         gateway = procs[-1].address
         if not _wait_healthy(f"{gateway}/health", procs, a.ready_timeout):
             print("[launcher] the mesh did not become healthy; stopping. Check the logs above.", flush=True)

@@ -30,8 +30,9 @@ def mesh() -> Iterator[Mesh]:
 @pytest.fixture(scope="session")
 def hf_model() -> Any:
     import torch
-    from embedmesh.models import ensure_default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from embedmesh.models import ensure_default_model
 
     path = ensure_default_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

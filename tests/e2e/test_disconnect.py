@@ -8,8 +8,8 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL
 
 pytestmark = pytest.mark.e2e

@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from embedmesh.core.server import channel_options
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tests.e2e.conftest import MODEL
 
 pytestmark = pytest.mark.e2e

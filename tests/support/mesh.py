@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,11 +66,13 @@ def start_mesh(
     ports = [first + i for i in range(workers)]
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
     log = open(log_path, "wb")
+    metrics_base = random.randrange(20000, 60000, 100)
     cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
+           "--metrics-port-base", str(metrics_base),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
-    mesh = Mesh(proc, gw, pre, ports, log_path)
+    mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -11,16 +11,27 @@ from __future__ import annotations
 import asyncio
 import inspect
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
-from embedmesh.core.logs import get_logger
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+
+from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
+from embedmesh.core.logs import get_logger
+from embedmesh.core.telemetry import (
+    RPC_LATENCY,
+    RPC_REQUESTS,
+    TracingClientInterceptor,
+    extract_context,
+    service_name,
+    tracer,
+)
 
 __all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "ErrorInterceptor"]
 
@@ -41,6 +52,8 @@ class ServerOptions:
     """Largest gRPC message sent or received (gRPC's own default is 4 MiB)."""
     grace_seconds: float = 5.0
     """How long in-flight calls may finish after a drain starts."""
+    metrics_port: int = 0
+    """Port of the Prometheus /metrics endpoint; 0 = none."""
 
 
 def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]:
@@ -56,7 +69,9 @@ def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]
 
 def insecure_channel(address: str, max_message_bytes: int = 512 * MiB) -> grpc.aio.Channel:
     """An aio channel to another mesh service with the mesh's options."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(max_message_bytes), interceptors=TracingClientInterceptor()
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: EmbedmeshError) -> None:
@@ -69,37 +84,76 @@ def _unexpected(exc: BaseException, method: str) -> InternalError:
     return InternalError(f"internal error (incident {incident}); see the service log")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+class _Observed:
+    """One RPC's span, status code and latency."""
+
+    def __init__(self, method: str, metadata: Any) -> None:
+        self.method = method.rsplit("/", 1)[-1]
+        self.full = method
+        self.code = "OK"
+        self._span_cm = tracer().start_as_current_span(
+            f"{service_name()} {self.method}", context=extract_context(metadata), kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": method},
+        )
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> _Observed:
+        self.span = self._span_cm.__enter__()
+        return self
+
+    def fail(self, code: str) -> None:
+        self.code = code
+        self.span.set_attribute("rpc.grpc.status_code", code)
+        self.span.set_status(trace.Status(trace.StatusCode.ERROR, code))
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is not None and issubclass(exc[0], asyncio.CancelledError | GeneratorExit):
+            self.code = "CANCELLED"
+        self._span_cm.__exit__(None, None, None)
+        RPC_REQUESTS.labels(service_name(), self.method, self.code).inc()
+        RPC_LATENCY.labels(service_name(), self.method).observe(time.perf_counter() - self._t0)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await fn(request, context)
-        except EmbedmeshError as e:
-            await _abort(context, e)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the one place unexpected errors become INTERNAL
-            await _abort(context, _unexpected(e, method))
+        with _Observed(method, metadata) as obs:
+            try:
+                return await fn(request, context)
+            except EmbedmeshError as e:
+                obs.fail(e.code.name)
+                await _abort(context, e)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the one place unexpected errors become INTERNAL
+                obs.fail("INTERNAL")
+                await _abort(context, _unexpected(e, method))
 
     return wrapper
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    fn: Callable[..., AsyncIterator[Any]], method: str, metadata: Any
+) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in fn(request, context):
-                yield item
-        except EmbedmeshError as e:
-            await _abort(context, e)
-        except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
-            raise
-        except Exception as e:  # noqa: BLE001
-            await _abort(context, _unexpected(e, method))
+        with _Observed(method, metadata) as obs:
+            try:
+                async for item in fn(request, context):
+                    yield item
+            except EmbedmeshError as e:
+                obs.fail(e.code.name)
+                await _abort(context, e)
+            except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as e:  # noqa: BLE001
+                obs.fail("INTERNAL")
+                await _abort(context, _unexpected(e, method))
 
     return wrapper
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps domain exceptions to status codes with details; anything else becomes INTERNAL with an incident id."""
+    """Maps domain exceptions to status codes with details (anything else becomes INTERNAL with an incident id),
+    and gives every RPC a server span (parented by the caller's traceparent) and Prometheus counts/latency."""
 
     async def intercept_service(
         self,
@@ -110,7 +164,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        # Health and reflection handle their own errors.
+        md = handler_call_details.invocation_metadata
+        # Health and reflection handle their own errors and are not traced (probes would drown the traces).
         if method.startswith("/grpc.health") or method.startswith("/grpc.reflection"):
             return handler
         kw = dict(
@@ -118,18 +173,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method), **kw)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, md), **kw)
         if handler.unary_stream:
             fn = handler.unary_stream
             if inspect.isasyncgenfunction(fn):
-                return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method), **kw)
+                return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method, md), **kw)
             return handler
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method), **kw)
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method, md), **kw)
         if handler.stream_stream:
             fn = handler.stream_stream
             if inspect.isasyncgenfunction(fn):
-                return grpc.stream_stream_rpc_method_handler(_wrap_stream(fn, method), **kw)
+                return grpc.stream_stream_rpc_method_handler(_wrap_stream(fn, method, md), **kw)
         return handler
 
 
@@ -180,7 +235,12 @@ class Server:
             raise RuntimeError(f"{self.name}: could not bind {self.options.host}:{self.options.port}")
         await self.set_serving(False)
         await self._server.start()
-        log.info("listening", extra={"address": self.address, "services": self._service_names})
+        if self.options.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.options.metrics_port, addr=self.options.host)
+        log.info("listening", extra={"address": self.address, "services": self._service_names,
+                                     "metrics_port": self.options.metrics_port})
 
     async def set_serving(self, serving: bool, names: Iterable[str] | None = None) -> None:
         """Flip health for the given service names (default: all, plus the server-wide "")."""

@@ -8,10 +8,11 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class Scripted(worker_pb2_grpc.WorkerServiceServicer):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.prompts import (

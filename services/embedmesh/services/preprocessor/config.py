@@ -29,6 +29,8 @@ class PreprocessorConfig:
     """Largest `n` (choices per prompt)."""
     max_prompts: int = 64
     """Most prompts in one request."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 = none)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -55,9 +57,11 @@ class PreprocessorConfig:
                        default=int(env.get("EMBEDMESH_MAX_EMBEDS_BYTES", cls.max_embeds_bytes)))
         p.add_argument("--max-message-bytes", type=int,
                        default=int(env.get("EMBEDMESH_MAX_MESSAGE_BYTES", cls.max_message_bytes)))
+        p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_METRICS_PORT", 0)))
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-        return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes)
+        return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
+                   metrics_port=a.metrics_port)
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

@@ -6,6 +6,7 @@ import asyncio
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.telemetry import setup_tracing
 from embedmesh.inference.v1 import inference_pb2_grpc
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
@@ -45,7 +46,8 @@ async def serve(config: PreprocessorConfig) -> None:
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes)
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
-                                                  max_message_bytes=config.max_message_bytes))
+                                                  max_message_bytes=config.max_message_bytes,
+                                                  metrics_port=config.metrics_port))
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
                InferenceServicer(pool, tokenizer, template, config), SERVICE_NAME)
     server.on_drain(pool.close)
@@ -62,6 +64,7 @@ async def serve(config: PreprocessorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = PreprocessorConfig.from_args(argv)
     setup_logging("preprocessor")
+    setup_tracing("preprocessor")
     log.info("config", extra={"config": config.describe()})
     asyncio.run(serve(config))
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import grpc
+
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error

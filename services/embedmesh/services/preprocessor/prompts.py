@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds
 

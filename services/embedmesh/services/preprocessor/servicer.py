@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument

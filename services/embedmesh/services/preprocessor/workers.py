@@ -8,12 +8,13 @@ import itertools
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 __all__ = ["WorkerHandle", "WorkerPool"]
 

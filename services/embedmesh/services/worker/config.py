@@ -29,6 +29,8 @@ class WorkerConfig:
     """Compute dtype for hf: float32, bfloat16 or float16."""
     hidden_size: int = 576
     """Hidden size the echo engine claims."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 = none)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("hf", "echo"):
@@ -56,6 +58,7 @@ class WorkerConfig:
         p.add_argument("--threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", cls.threads)))
         p.add_argument("--dtype", default=env.get("EMBEDMESH_WORKER_DTYPE", cls.dtype))
         p.add_argument("--hidden-size", type=int, default=cls.hidden_size)
+        p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_WORKER_METRICS_PORT", 0)))
         a = p.parse_args(argv)
         return cls(**{k: v for k, v in vars(a).items()})
 

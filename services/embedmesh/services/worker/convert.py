@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument

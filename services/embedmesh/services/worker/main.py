@@ -7,6 +7,7 @@ import uuid
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.servicer import WorkerServicer
@@ -33,7 +34,7 @@ def build_engine(config: WorkerConfig) -> Engine:
 async def serve(config: WorkerConfig) -> None:
     worker_id = f"{config.engine}-{uuid.uuid4().hex[:8]}"
     engine = build_engine(config)
-    server = Server("worker", ServerOptions(host=config.host, port=config.port))
+    server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id), SERVICE_NAME)
     server.on_drain(engine.shutdown)
     await server.start()
@@ -50,6 +51,7 @@ async def serve(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = WorkerConfig.from_args(argv)
     setup_logging("worker")
+    setup_tracing("worker")
     log.info("config", extra={"config": config.describe()})
     asyncio.run(serve(config))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine

@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from embedmesh.models import ensure_default_model
     from transformers import AutoTokenizer
+
+    from embedmesh.models import ensure_default_model
 
     return AutoTokenizer.from_pretrained(ensure_default_model())
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams
 from embedmesh.services.worker.engines.base import (

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
+
 from embedmesh.core.sampling import SamplingParams
 
 __all__ = [

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import (

@@ -1,0 +1,159 @@
+"""Tracing and metrics shared by every service.
+
+Tracing: OpenTelemetry spans per RPC, the W3C ``traceparent`` carried in gRPC metadata by a client interceptor
+(every channel made with ``embedmesh.core.server.insecure_channel`` has it) and picked up by the server
+interceptor, so one request is one trace across gateway → preprocessor → cache → router → worker.
+Export: OTLP/gRPC when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; otherwise, in the embedded default, one compact JSON
+line per span on stderr (``EMBEDMESH_TRACE_CONSOLE=0`` silences it); ``EMBEDMESH_TRACE_FILE`` appends the same
+lines to a file (tests use it to check a whole trace).
+
+Metrics: Prometheus counters and histograms per RPC and status code, served on the service's metrics port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from prometheus_client import Counter, Histogram
+
+__all__ = [
+    "setup_tracing",
+    "tracer",
+    "extract_context",
+    "inject_metadata",
+    "TracingClientInterceptor",
+    "RPC_REQUESTS",
+    "RPC_LATENCY",
+]
+
+RPC_REQUESTS = Counter(
+    "embedmesh_rpc_requests_total", "RPCs served, by service, method and status code", ["service", "method", "code"]
+)
+RPC_LATENCY = Histogram(
+    "embedmesh_rpc_duration_seconds", "RPC handling time (whole stream for streaming RPCs)", ["service", "method"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+
+_service = "embedmesh"
+
+
+class _JsonLineExporter(SpanExporter):
+    """One JSON object per span, for people (stderr) and for tests (a file)."""
+
+    def __init__(self, stream: Any | None = None, path: str | None = None) -> None:
+        self._stream = stream
+        self._path = path
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = []
+        for s in spans:
+            ctx = s.get_span_context()
+            parent = s.parent.span_id if s.parent else None
+            lines.append(json.dumps({
+                "span": s.name,
+                "service": s.resource.attributes.get("service.name"),
+                "trace_id": f"{ctx.trace_id:032x}",
+                "span_id": f"{ctx.span_id:016x}",
+                "parent_id": f"{parent:016x}" if parent else None,
+                "ms": round(((s.end_time or 0) - (s.start_time or 0)) / 1e6, 3),
+                "status": s.status.status_code.name,
+                **{k: v for k, v in (s.attributes or {}).items() if isinstance(v, str | int | float | bool)},
+            }))
+        text = "".join(line + "\n" for line in lines)
+        if self._stream is not None:
+            self._stream.write(text)
+            self._stream.flush()
+        if self._path:
+            with open(self._path, "a") as f:
+                f.write(text)
+        return SpanExportResult.SUCCESS
+
+
+def setup_tracing(service: str) -> None:
+    """Install the tracer provider for this process (call once, at start)."""
+    global _service
+    _service = service
+    if os.environ.get("EMBEDMESH_TRACING", "on").lower() in ("0", "off", "false"):
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": f"embedmesh-{service}"}))
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    elif os.environ.get("EMBEDMESH_TRACE_CONSOLE", "1") not in ("0", "off", "false"):
+        provider.add_span_processor(BatchSpanProcessor(_JsonLineExporter(stream=sys.stderr)))
+    path = os.environ.get("EMBEDMESH_TRACE_FILE")
+    if path:
+        provider.add_span_processor(SimpleSpanProcessor(_JsonLineExporter(path=path)))
+    trace.set_tracer_provider(provider)
+
+
+def service_name() -> str:
+    return _service
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer("embedmesh")
+
+
+def extract_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context:
+    """The caller's trace context from gRPC invocation metadata (empty context when none)."""
+    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    return propagate.extract(carrier)
+
+
+def inject_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    """Outgoing metadata plus ``traceparent``/``tracestate`` for the current span."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    out = list(metadata or ())
+    out.extend(carrier.items())
+    return out
+
+
+def _with_trace(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, inject_metadata(details.metadata), details.credentials,
+        details.wait_for_ready,
+    )
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_trace(details), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_trace(details), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_trace(details), request_iterator)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_trace(details), request_iterator)
+
+
+def TracingClientInterceptor() -> list[grpc.aio.ClientInterceptor]:  # noqa: N802 - reads like a class at call sites
+    """Interceptors that put the current trace context on every outgoing call."""
+    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
