@@ -8,11 +8,13 @@ while the same request repeated gives the same text.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 import grpc
+from prometheus_client import Counter, Histogram
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
@@ -26,6 +28,14 @@ from embedmesh.worker.v1 import worker_pb2
 __all__ = ["Job", "Delta", "run_job"]
 
 log = get_logger(__name__)
+
+TTFT = Histogram("embedmesh_time_to_first_token_seconds", "Request start to the first generated text, per model",
+                 ["model"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+PROMPT_TOKENS = Counter("embedmesh_prompt_tokens_total", "Prompt positions (text tokens + embedding rows)",
+                        ["model", "kind"])
+GENERATED_TOKENS = Counter("embedmesh_generated_tokens_total", "Tokens generated, per model", ["model"])
+REQUEST_TOKENS_PER_SECOND = Histogram("embedmesh_request_tokens_per_second", "Decode speed seen by one request",
+                                      ["model"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
 
 
 @dataclass(frozen=True)
@@ -92,17 +102,31 @@ async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
             tasks.append(asyncio.create_task(_one(index, req, job.model, pool, out)))
     remaining = len(tasks)
     completion = 0
+    t0 = time.perf_counter()
+    first: float | None = None
     try:
         while remaining:
             item = await out.get()
             if isinstance(item, BaseException):
                 raise item
             index, resp = item
+            if first is None and resp.token_ids:
+                first = time.perf_counter()
+                TTFT.labels(job.model).observe(first - t0)
             yield Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason)
             if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 remaining -= 1
                 completion += resp.completion_tokens
-        yield Usage(sum(len(p) for p in job.prompts), completion)
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        for p in job.prompts:
+            for piece in p.pieces:
+                kind = "text" if isinstance(piece, tuple) else "embeds"
+                PROMPT_TOKENS.labels(job.model, kind).inc(len(piece))
+        GENERATED_TOKENS.labels(job.model).inc(completion)
+        if first is not None and completion > len(tasks):
+            REQUEST_TOKENS_PER_SECOND.labels(job.model).observe(
+                (completion - len(tasks)) / max(time.perf_counter() - first, 1e-6))
+        yield Usage(prompt_tokens, completion)
     finally:
         for t in tasks:
             t.cancel()

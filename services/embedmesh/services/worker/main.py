@@ -10,6 +10,7 @@ from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
+from embedmesh.services.worker.metrics import register_engine_metrics
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2_grpc
 
@@ -37,6 +38,7 @@ async def serve(config: WorkerConfig) -> None:
     server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id), SERVICE_NAME)
     server.on_drain(engine.shutdown)
+    register_engine_metrics(engine, worker_id)
     await server.start()
     server.install_signal_handlers()
     print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
