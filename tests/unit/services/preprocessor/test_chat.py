@@ -68,9 +68,8 @@ def test_text_only_matches_transformers_apply_chat_template(build: Any, hf_tok: 
     prompt = build(conv)
     expected = hf_tok.apply_chat_template(
         [{"role": m.role, "content": m.parts[0].text} for m in conv], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
     )
-    if isinstance(expected, dict):
-        expected = expected["input_ids"]
     assert len(prompt.pieces) == 1
     assert list(prompt.pieces[0]) == list(expected)
 
