@@ -55,16 +55,16 @@ def test_three_d_tensor_counts_as_two_d(client: Any, embeds_of: Any) -> None:
 
 def test_list_of_embeds_and_text_prompt_order(client: Any, embeds_of: Any) -> None:
     a, b = "The capital of France is", "One, two, three,"
-    ref_a = greedy(client, prompt=a, max_tokens=6).choices[0].text
-    ref_b = greedy(client, prompt=b, max_tokens=6).choices[0].text
-    ref_c = greedy(client, prompt="My favourite colour is", max_tokens=6).choices[0].text
+    refs = [greedy(client, prompt=p, max_tokens=6) for p in (a, b, "My favourite colour is")]
+    ref_a, ref_b, ref_c = (x.choices[0].text for x in refs)
     r = greedy(
         client, prompt="My favourite colour is", max_tokens=6,
         extra_body={"prompt_embeds": [b64_of(embeds_of(a)), b64_of(embeds_of(b))]},
     )
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert texts == [ref_a, ref_b, ref_c]
-    assert r.usage.completion_tokens == 18
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in refs)
+    assert r.usage.prompt_tokens == sum(x.usage.prompt_tokens for x in refs)
 
 
 def test_streaming_matches_non_streaming(client: Any, embeds_of: Any) -> None:

@@ -1,0 +1,6 @@
+"""The OpenAI-compatible REST gateway: translates REST 1:1 to the mesh's public gRPC API. No business logic."""
+
+from embedmesh.gateway.app import create_app
+from embedmesh.gateway.config import GatewayConfig
+
+__all__ = ["create_app", "GatewayConfig"]

@@ -1,0 +1,236 @@
+"""OpenAI JSON <-> the public gRPC messages. Each check here is about the shape of the JSON (types, ranges a
+field can have in OpenAI's API); rules about models and tensors live in the preprocessor, the single source."""
+
+from __future__ import annotations
+
+import binascii
+import math
+from typing import Any
+
+import pybase64
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.gateway.errors import ApiError, bad_request
+from embedmesh.inference.v1 import inference_pb2
+from embedmesh.tensor.v1 import tensor_pb2
+
+__all__ = [
+    "completion_params",
+    "chat_params",
+    "FINISH",
+    "usage_json",
+    "decode_base64",
+]
+
+FINISH = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+_UNSUPPORTED_COMPLETIONS = {
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "logprobs": lambda v: v is not None,
+    "prompt_logprobs": lambda v: v is not None,
+    "best_of": lambda v: v not in (None, 1),
+    "logit_bias": lambda v: bool(v),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+}
+_UNSUPPORTED_CHAT = {
+    "logprobs": lambda v: v not in (None, False),
+    "top_logprobs": lambda v: v is not None,
+    "logit_bias": lambda v: bool(v),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, int | float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def decode_base64(value: Any, param: str) -> bytes:
+    if not isinstance(value, str):
+        raise bad_request(param, f"must be a base64 string, got {type(value).__name__}", "invalid_type")
+    try:
+        return pybase64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(param, "is not valid base64 (standard alphabet, with padding)", "invalid_base64") from None
+
+
+def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    max_name = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        max_name, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+    if max_tokens is not None:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise bad_request(max_name, "must be an integer >= 1", "invalid_type")
+        s.max_tokens = max_tokens
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not _is_num(temperature) or temperature < 0:
+            raise bad_request("temperature", "must be a number >= 0", "invalid_value")
+        s.temperature = float(temperature)
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not _is_num(top_p) or not 0 < top_p <= 1:
+            raise bad_request("top_p", "must be a number in (0, 1]", "invalid_value")
+        s.top_p = float(top_p)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise bad_request("top_k", "must be an integer >= 0 (-1 or 0 disables it)", "invalid_value")
+        if top_k > 0:
+            s.top_k = top_k
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed) or not -(2**63) <= seed < 2**63:
+            raise bad_request("seed", "must be a 64-bit integer", "invalid_type")
+        s.seed = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+            raise bad_request("stop", "must be a string or a list of strings", "invalid_type")
+        if len(stops) > 16:
+            raise bad_request("stop", "at most 16 stop strings", "invalid_value")
+        s.stop.extend(x for x in stops if x)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise bad_request("ignore_eos", "must be a boolean", "invalid_type")
+        s.ignore_eos = ignore_eos
+    return s
+
+
+def _common(body: dict[str, Any], unsupported: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", "is required (a served model name; see GET /v1/models)", "missing")
+    for name, is_set in unsupported.items():
+        if is_set(body.get(name)):
+            raise bad_request(name, "is not supported by this server", "unsupported_parameter")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise bad_request("n", "must be an integer >= 1", "invalid_value")
+    for flag in ("stream",):
+        if body.get(flag) is not None and not isinstance(body[flag], bool):
+            raise bad_request(flag, "must be a boolean", "invalid_type")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+        raise bad_request("stream_options", 'must be an object like {"include_usage": true}', "invalid_type")
+    return model, n
+
+
+def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
+    """/v1/completions body -> CompletionParams."""
+    model, n = _common(body, _UNSUPPORTED_COMPLETIONS, chat=False)
+    params = inference_pb2.CompletionParams(model=model, sampling=_sampling(body, chat=False))
+    if n is not None:
+        params.n = n
+    embeds = body.get("prompt_embeds")
+    if embeds is not None:
+        items = [embeds] if isinstance(embeds, str) else embeds
+        if not isinstance(items, list) or not items:
+            raise bad_request("prompt_embeds", "must be a base64 string or a non-empty list of them", "invalid_type")
+        for i, item in enumerate(items):
+            param = "prompt_embeds" if isinstance(embeds, str) or len(items) == 1 else f"prompt_embeds[{i}]"
+            data = decode_base64(item, param)
+            params.prompt_embeds.append(inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=data)))
+    prompt = body.get("prompt")
+    if prompt is None:
+        pass
+    elif isinstance(prompt, str):
+        params.prompts.append(prompt)
+    elif isinstance(prompt, list):
+        if not prompt and embeds is None:
+            raise bad_request("prompt", "must not be an empty list", "invalid_value")
+        if all(isinstance(p, str) for p in prompt):
+            params.prompts.extend(prompt)
+        elif all(_is_int(p) for p in prompt):
+            params.prompt_token_ids.append(inference_pb2.TokenIds(ids=prompt))
+        elif all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            params.prompt_token_ids.extend(inference_pb2.TokenIds(ids=p) for p in prompt)
+        else:
+            raise bad_request("prompt", "must be a string, a list of strings, a list of token ids or a list of "
+                                        "token-id lists", "invalid_type")
+    else:
+        raise bad_request("prompt", "must be a string, a list of strings or token ids", "invalid_type")
+    for i, ids in enumerate(params.prompt_token_ids):
+        if any(t < -(2**31) or t >= 2**31 for t in ids.ids):
+            raise bad_request("prompt", f"token id list {i} holds values outside int32", "invalid_value")
+    if not params.prompts and not params.prompt_token_ids and not params.prompt_embeds:
+        raise bad_request("prompt", "either prompt or prompt_embeds is required", "missing")
+    return params
+
+
+def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
+    """/v1/chat/completions body -> ChatParams. Content parts: text and prompt_embeds."""
+    model, n = _common(body, _UNSUPPORTED_CHAT, chat=True)
+    params = inference_pb2.ChatParams(model=model, sampling=_sampling(body, chat=True))
+    if n is not None:
+        params.n = n
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "must be a non-empty list of messages", "invalid_value")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}]", "must be an object with role and content", "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role", "is required", "missing")
+        msg = inference_pb2.ChatMessage(role=role, name=m.get("name") or "")
+        content = m.get("content")
+        if isinstance(content, str):
+            msg.parts.append(inference_pb2.ChatContentPart(text=content))
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if not isinstance(part, dict):
+                    raise bad_request(where, "must be an object with a type", "invalid_type")
+                kind = part.get("type")
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise bad_request(f"{where}.text", "is required for a text part", "missing")
+                    msg.parts.append(inference_pb2.ChatContentPart(text=part["text"]))
+                elif kind == "prompt_embeds":
+                    if part.get("data") is None:
+                        raise bad_request(f"{where}.data", "is required for a prompt_embeds part (base64 of "
+                                                           "torch.save(tensor))", "missing")
+                    data = decode_base64(part["data"], f"{where}.data")
+                    msg.parts.append(inference_pb2.ChatContentPart(
+                        prompt_embeds=inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=data))))
+                else:
+                    raise bad_request(f"{where}.type", f"unsupported content part type {kind!r}; this server "
+                                                       "accepts 'text' and 'prompt_embeds'", "unsupported_type")
+        elif content is None and role == "assistant":
+            pass
+        else:
+            raise bad_request(f"messages[{i}].content", "must be a string or a list of content parts", "invalid_type")
+        params.messages.append(msg)
+    return params
+
+
+def usage_json(u: common_pb2.Usage) -> dict[str, int]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens}
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
