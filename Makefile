@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-CACHE ?= $(HOME)/.cache/embedmesh
+CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
 .PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps clean
