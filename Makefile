@@ -51,8 +51,10 @@ test-unit: venv model
 test-e2e: venv model sysdeps
 	$(PY) -m pytest tests/e2e
 
-bench: venv model
-	$(PY) bench/run_all.py
+# The client process gets the same glibc tuning the launcher gives the services.
+bench: venv model sysdeps
+	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 MALLOC_TOP_PAD_=268435456 \
+	EMBEDMESH_TRACE_CONSOLE=0 $(PY) bench/run_all.py
 
 lint: venv
 	$(PY) -m ruff check services gateway tests bench
