@@ -10,7 +10,7 @@ import torch
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensors import bf16_to_f32, f32_to_bf16
 from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds, validate_embeds
-from embedmesh.tensor.v1 import tensor_pb2 as T
+from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812 - T.DATA_TYPE_* reads well in tables
 
 FP32 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_FP32)
 BF16 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_BF16)
