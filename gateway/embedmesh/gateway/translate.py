@@ -70,6 +70,16 @@ def decode_base64(value: Any, param: str) -> bytes:
         raise bad_request(param, "is not valid base64 (standard alphabet, with padding)", "invalid_base64") from None
 
 
+def embeds_source(value: Any, param: str) -> inference_pb2.PromptEmbeds:
+    """A base64 torch.save/safetensors string, or {"id": "emb-..."} for a tensor uploaded to /v1/prompt_embeds."""
+    if isinstance(value, dict):
+        key = value.get("id")
+        if not isinstance(key, str) or not key:
+            raise bad_request(f"{param}.id", 'must be the id returned by POST /v1/prompt_embeds', "missing")
+        return inference_pb2.PromptEmbeds(cache_id=key)
+    return inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=decode_base64(value, param)))
+
+
 def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
     max_name = "max_tokens"
@@ -144,13 +154,15 @@ def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
         params.n = n
     embeds = body.get("prompt_embeds")
     if embeds is not None:
-        items = [embeds] if isinstance(embeds, str) else embeds
+        items = [embeds] if isinstance(embeds, str | dict) else embeds
         if not isinstance(items, list) or not items:
             raise bad_request("prompt_embeds", "must be a base64 string or a non-empty list of them", "invalid_type")
         for i, item in enumerate(items):
-            param = "prompt_embeds" if isinstance(embeds, str) or len(items) == 1 else f"prompt_embeds[{i}]"
-            data = decode_base64(item, param)
-            params.prompt_embeds.append(inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=data)))
+            param = "prompt_embeds" if not isinstance(embeds, list) or len(items) == 1 else f"prompt_embeds[{i}]"
+            params.prompt_embeds.append(embeds_source(item, param))
+    prefix = body.get("prompt_embeds_prefix")
+    if prefix is not None:
+        params.prefix.CopyFrom(embeds_source(prefix, "prompt_embeds_prefix"))
     prompt = body.get("prompt")
     if prompt is None:
         pass
@@ -208,12 +220,14 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
                         raise bad_request(f"{where}.text", "is required for a text part", "missing")
                     msg.parts.append(inference_pb2.ChatContentPart(text=part["text"]))
                 elif kind == "prompt_embeds":
-                    if part.get("data") is None:
+                    if part.get("id") is not None:
+                        source = embeds_source({"id": part["id"]}, where)
+                    elif part.get("data") is None:
                         raise bad_request(f"{where}.data", "is required for a prompt_embeds part (base64 of "
-                                                           "torch.save(tensor))", "missing")
-                    data = decode_base64(part["data"], f"{where}.data")
-                    msg.parts.append(inference_pb2.ChatContentPart(
-                        prompt_embeds=inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=data))))
+                                          "torch.save(tensor)), or give the id of an upload", "missing")
+                    else:
+                        source = embeds_source(part["data"], f"{where}.data")
+                    msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=source))
                 else:
                     raise bad_request(f"{where}.type", f"unsupported content part type {kind!r}; this server "
                                                        "accepts 'text' and 'prompt_embeds'", "unsupported_type")

@@ -24,6 +24,8 @@ __all__ = [
     "bf16_to_f32",
     "f32_to_bf16",
     "element_size",
+    "numpy_dtype",
+    "is_float",
 ]
 
 DType = int  # a tensor_pb2.DataType value
@@ -61,6 +63,11 @@ def dtype_from_name(name: str) -> DType:
     if key not in _BY_NAME:
         raise ValueError(f"unknown dtype {name!r}")
     return _BY_NAME[key]
+
+
+def numpy_dtype(dtype: DType) -> np.dtype:
+    """Storage dtype of a DataType (uint16 bits for bf16)."""
+    return _INFO[dtype].numpy
 
 
 def element_size(dtype: DType) -> int:

@@ -23,14 +23,7 @@ import numpy as np
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.embeds import ModelSpec
-from embedmesh.services.preprocessor.prompts import (
-    Piece,
-    Prompt,
-    RawEmbeds,
-    Tokenizer,
-    check_context,
-    decode_embeds,
-)
+from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_context
 
 __all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "ROLES"]
 
@@ -42,10 +35,10 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 
 @dataclass(frozen=True)
 class ChatPart:
-    """A text part or an embeddings part (exactly one is set)."""
+    """A text part, or an embeddings part already validated into rows of the model dtype (exactly one is set)."""
 
     text: str | None = None
-    embeds: RawEmbeds | None = None
+    embeds: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +91,6 @@ def build_chat_prompt(
     tokenizer: Tokenizer,
     spec: ModelSpec,
     max_tokens: int,
-    max_embeds_bytes: int,
 ) -> Prompt:
     """Validate the conversation, render it, and return the prompt as ids and embedding rows in order."""
     if not messages:
@@ -115,7 +107,7 @@ def build_chat_prompt(
             field = f"messages[{i}].content[{j}]" if len(m.parts) > 1 or part.embeds is not None \
                 else f"messages[{i}].content"
             if part.embeds is not None:
-                rows = decode_embeds(part.embeds, spec, field, max_tokens, max_embeds_bytes)
+                rows = part.embeds
                 texts.append(f"<|embedmesh:{nonce}:{len(slots)}|>")
                 slots.append(rows)
             else:

@@ -31,6 +31,12 @@ class PreprocessorConfig:
     """Most prompts in one request."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = none)."""
+    cache_capacity_bytes: int = 1 << 30
+    """In-process L1 of the encoder cache (decoded payloads and uploaded tensors), in bytes."""
+    redis_url: str = ""
+    """Redis for the shared L2 (REDIS_URL); empty = L1 only, the embedded default."""
+    upload_ttl_seconds: int = 3600
+    """Default lifetime of tensors uploaded once and referred to by id."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -41,6 +47,8 @@ class PreprocessorConfig:
             raise ValueError("max_embeds_bytes must be >= 1024")
         if self.max_message_bytes < 4 * MiB:
             raise ValueError("max_message_bytes must be >= 4 MiB")
+        if self.cache_capacity_bytes < 0 or self.upload_ttl_seconds < 1:
+            raise ValueError("cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1")
         if self.max_n < 1 or self.max_prompts < 1:
             raise ValueError("max_n and max_prompts must be >= 1")
 
@@ -58,10 +66,15 @@ class PreprocessorConfig:
         p.add_argument("--max-message-bytes", type=int,
                        default=int(env.get("EMBEDMESH_MAX_MESSAGE_BYTES", cls.max_message_bytes)))
         p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_METRICS_PORT", 0)))
+        p.add_argument("--cache-capacity-bytes", type=int,
+                       default=int(env.get("EMBEDMESH_CACHE_CAPACITY_BYTES", cls.cache_capacity_bytes)))
+        p.add_argument("--redis-url", default=env.get("REDIS_URL", ""))
+        p.add_argument("--upload-ttl", type=int, default=int(env.get("EMBEDMESH_UPLOAD_TTL_SECONDS", 3600)))
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
         return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
-                   metrics_port=a.metrics_port)
+                   metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes, redis_url=a.redis_url,
+                   upload_ttl_seconds=a.upload_ttl)
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

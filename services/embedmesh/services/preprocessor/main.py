@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.inference.v1 import inference_pb2_grpc
+from embedmesh.services.encoder_cache.service import SERVICE_NAME as CACHE_SERVICE
+from embedmesh.services.encoder_cache.service import EncoderCacheServicer
+from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.prompts import Tokenizer
@@ -45,11 +49,17 @@ async def serve(config: PreprocessorConfig) -> None:
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes)
+    cache = TieredCache(CacheConfig(capacity_bytes=config.cache_capacity_bytes, redis_url=config.redis_url,
+                                    default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
                                                   max_message_bytes=config.max_message_bytes,
                                                   metrics_port=config.metrics_port))
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, template, config), SERVICE_NAME)
+               InferenceServicer(pool, tokenizer, template, config, cache), SERVICE_NAME)
+    # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
+    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
+               EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE)
+    server.on_drain(cache.close)
     server.on_drain(pool.close)
     await server.start()
     server.install_signal_handlers()

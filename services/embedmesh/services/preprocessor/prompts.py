@@ -10,18 +10,66 @@ from pathlib import Path
 import numpy as np
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds
+from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
+from embedmesh.services.encoder_cache.keys import payload_key
+from embedmesh.services.encoder_cache.service import lookup_upload
+from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
+from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
 
-__all__ = ["Piece", "Prompt", "RawEmbeds", "Tokenizer", "build_prompts", "check_context", "decode_embeds"]
+__all__ = ["EmbedsResolver", "Piece", "Prompt", "RawEmbeds", "Tokenizer", "build_prompts", "check_context"]
 
 
 @dataclass(frozen=True)
 class RawEmbeds:
-    """One prompt_embeds entry as it arrived: serialized bytes or an already-typed raw tensor."""
+    """One prompt_embeds entry as it arrived: serialized bytes, an already-typed raw tensor, or an upload id."""
 
     encoded: bytes | None = None
     array: np.ndarray | None = None
     dtype: int = 0
+    cache_id: str = ""
+
+
+class EmbedsResolver:
+    """Turns a RawEmbeds into validated rows in the model dtype.
+
+    Serialized payloads are decoded once per distinct payload: the decoded tensor is cached under a BLAKE3 hash
+    of the bytes, so a repeated prompt skips unpickling (and, with Redis as L2, so do the other replicas).
+    Upload ids resolve through the same cache; unknown or expired ids are a NotFound naming the field.
+    """
+
+    def __init__(self, cache: TieredCache, spec: ModelSpec, max_bytes: int, max_tokens: int) -> None:
+        self.cache = cache
+        self.spec = spec
+        self.max_bytes = max_bytes
+        self.max_tokens = max_tokens
+
+    async def tensor(self, raw: RawEmbeds, field: str) -> tuple[np.ndarray, int]:
+        """The decoded, not yet validated tensor."""
+        if raw.cache_id:
+            value = await lookup_upload(self.cache, raw.cache_id, field)
+            return value.array, value.dtype
+        if raw.encoded is not None:
+            data = raw.encoded
+
+            async def decode() -> CachedTensor:
+                if len(data) > 1 << 20:  # keep the event loop free while a big payload decodes
+                    arr, dtype = await asyncio.to_thread(decode_tensor_bytes, data, max_bytes=self.max_bytes,
+                                                         field=field)
+                else:
+                    arr, dtype = decode_tensor_bytes(data, max_bytes=self.max_bytes, field=field)
+                return CachedTensor(arr, dtype)
+
+            value = await self.cache.get_or_compute(payload_key("payload", data), decode)
+            return value.array, value.dtype
+        if raw.array is None:
+            raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
+        check_cap(field, raw.array.nbytes, self.max_bytes)
+        return raw.array, raw.dtype
+
+    async def __call__(self, raw: RawEmbeds, field: str) -> np.ndarray:
+        arr, dtype = await self.tensor(raw, field)
+        check_cap(field, arr.nbytes, self.max_bytes)
+        return validate_embeds(arr, dtype, self.spec, field=field, max_tokens=self.max_tokens)
 
 
 Piece = tuple[int, ...] | np.ndarray
@@ -66,9 +114,10 @@ async def build_prompts(
     spec: ModelSpec,
     vocab_size: int,
     max_tokens: int,
-    max_embeds_bytes: int,
+    resolve: EmbedsResolver,
     tokenizer: Tokenizer,
     max_prompts: int,
+    prefix: RawEmbeds | None = None,
 ) -> list[Prompt]:
     """Validate every prompt; raise InvalidArgument naming the first bad one."""
     # The openai SDK requires `prompt`; vLLM's own example sends prompt="" beside prompt_embeds. Drop empties then.
@@ -83,11 +132,7 @@ async def build_prompts(
     out: list[Prompt] = []
     for i, raw in enumerate(embeds):
         field = "prompt_embeds" if len(embeds) == 1 else f"prompt_embeds[{i}]"
-        if raw.encoded is not None and len(raw.encoded) > 1 << 20:
-            arr = await asyncio.to_thread(decode_embeds, raw, spec, field, max_tokens, max_embeds_bytes)
-        else:
-            arr = decode_embeds(raw, spec, field, max_tokens, max_embeds_bytes)
-        out.append(Prompt.of_embeds(arr))
+        out.append(Prompt.of_embeds(await resolve(raw, field)))
     for i, ids in enumerate(token_prompts):
         field = "prompt" if len(token_prompts) == 1 else f"prompt[{i}]"
         if not ids:
@@ -102,14 +147,10 @@ async def build_prompts(
         if text == "":
             raise InvalidArgument(f"{field}: empty text prompt", field=field, reason="EMPTY_PROMPT")
         out.append(check_context(Prompt.of_ids(tokenizer.encode(text)), spec, field, max_tokens))
+    if prefix is not None:
+        rows = await resolve(prefix, "prompt_embeds_prefix")
+        out = [check_context(Prompt((rows, *p.pieces)), spec, "prompt_embeds_prefix", max_tokens) for p in out]
     return out
-
-
-def decode_embeds(raw: RawEmbeds, spec: ModelSpec, field: str, max_tokens: int, max_bytes: int) -> np.ndarray:
-    return decode_prompt_embeds(
-        encoded=raw.encoded, array=raw.array, dtype=raw.dtype, spec=spec, field=field, max_tokens=max_tokens,
-        max_bytes=max_bytes,
-    )
 
 
 def check_context(p: Prompt, spec: ModelSpec, field: str, max_tokens: int) -> Prompt:

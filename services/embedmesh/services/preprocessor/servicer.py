@@ -15,11 +15,12 @@ from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
-from embedmesh.services.preprocessor.prompts import RawEmbeds, Tokenizer, build_prompts
+from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds, Tokenizer, build_prompts
 from embedmesh.services.preprocessor.workers import WorkerPool
 
 __all__ = ["InferenceServicer"]
@@ -27,9 +28,11 @@ __all__ = ["InferenceServicer"]
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
-        self, pool: WorkerPool, tokenizer: Tokenizer, template: ChatTemplate, config: PreprocessorConfig
+        self, pool: WorkerPool, tokenizer: Tokenizer, template: ChatTemplate, config: PreprocessorConfig,
+        cache: TieredCache,
     ) -> None:
         self.pool = pool
+        self.cache = cache
         self.tokenizer = tokenizer
         self.template = template
         self.config = config
@@ -54,9 +57,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             spec=spec,
             vocab_size=info.vocab_size,
             max_tokens=sampling.max_tokens,
-            max_embeds_bytes=self.config.max_embeds_bytes,
+            resolve=EmbedsResolver(self.cache, spec, self.config.max_embeds_bytes, sampling.max_tokens),
             tokenizer=self.tokenizer,
             max_prompts=self.config.max_prompts,
+            prefix=_raw_embeds(params.prefix, "prompt_embeds_prefix") if params.HasField("prefix") else None,
         )
         rid = params.request_id or f"cmpl-{uuid.uuid4().hex}"
         return Job(rid, params.model, prompts, sampling, n, info.dtype)
@@ -69,19 +73,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument(f"n must be in [1, {self.config.max_n}]", field="n", reason="OUT_OF_RANGE")
+        spec = ModelSpec(hidden_size=info.hidden_size, max_context_tokens=info.max_context_tokens, dtype=info.dtype)
+        resolve = EmbedsResolver(self.cache, spec, self.config.max_embeds_bytes, sampling.max_tokens)
         messages = []
         for i, m in enumerate(params.messages):
             parts = []
             for j, part in enumerate(m.parts):
                 if part.WhichOneof("kind") == "prompt_embeds":
-                    parts.append(ChatPart(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]")))
+                    field = f"messages[{i}].content[{j}]"
+                    parts.append(ChatPart(embeds=await resolve(_raw_embeds(part.prompt_embeds, field), field)))
                 else:
                     parts.append(ChatPart(text=part.text))
             messages.append(ChatMessage(m.role, tuple(parts), m.name))
-        spec = ModelSpec(hidden_size=info.hidden_size, max_context_tokens=info.max_context_tokens, dtype=info.dtype)
         prompt = await asyncio.to_thread(
             build_chat_prompt, messages, template=self.template, tokenizer=self.tokenizer, spec=spec,
-            max_tokens=sampling.max_tokens, max_embeds_bytes=self.config.max_embeds_bytes,
+            max_tokens=sampling.max_tokens,
         )
         rid = params.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return Job(rid, params.model, [prompt], sampling, n, info.dtype)
@@ -169,6 +175,8 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
         return RawEmbeds(array=arr, dtype=dtype)
     if kind == "encoded":
         return RawEmbeds(encoded=pe.encoded.data)
+    if kind == "cache_id":
+        return RawEmbeds(cache_id=pe.cache_id)
     raise InvalidArgument(f"{field}: neither tensor nor encoded is set", field=field, reason="REQUIRED")
 
 

@@ -17,7 +17,7 @@ from embedmesh.services.preprocessor.chat import (
     build_chat_prompt,
 )
 from embedmesh.services.preprocessor.embeds import ModelSpec
-from embedmesh.services.preprocessor.prompts import RawEmbeds, Tokenizer
+from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.tensor.v1 import tensor_pb2
 
 
@@ -41,8 +41,7 @@ def build(folder: Any) -> Any:
     spec = ModelSpec(hidden_size=576, max_context_tokens=8192, dtype=tensor_pb2.DATA_TYPE_FP32)
 
     def run(messages: list[ChatMessage], max_tokens: int = 16) -> Any:
-        return build_chat_prompt(messages, template=template, tokenizer=tok, spec=spec, max_tokens=max_tokens,
-                                 max_embeds_bytes=1 << 26)
+        return build_chat_prompt(messages, template=template, tokenizer=tok, spec=spec, max_tokens=max_tokens)
 
     return run
 
@@ -51,9 +50,8 @@ def text(role: str, *texts: str) -> ChatMessage:
     return ChatMessage(role, tuple(ChatPart(text=t) for t in texts))
 
 
-def rows(n: int, fill: float = 0.5) -> RawEmbeds:
-    arr = np.full((n, 576), fill, dtype=np.float32)
-    return RawEmbeds(array=arr, dtype=tensor_pb2.DATA_TYPE_FP32)
+def rows(n: int, fill: float = 0.5) -> np.ndarray:
+    return np.full((n, 576), fill, dtype=np.float32)
 
 
 CONVERSATIONS = [
@@ -106,10 +104,6 @@ def test_several_embeddings_parts_keep_their_order(build: Any) -> None:
         ([text("user", f"please fill {PLACEHOLDER} here")], "messages[0].content", "PLACEHOLDER_IN_TEXT"),
         ([ChatMessage("user", (ChatPart(text="a"), ChatPart(text=PLACEHOLDER)))], "messages[0].content[1]",
          "PLACEHOLDER_IN_TEXT"),
-        ([ChatMessage("user", (ChatPart(embeds=RawEmbeds(array=np.zeros((2, 7), np.float32),
-                                                          dtype=tensor_pb2.DATA_TYPE_FP32)),))],
-         "messages[0].content[0]", None),
-        ([ChatMessage("user", (ChatPart(embeds=RawEmbeds(encoded=b"garbage")),))], "messages[0].content[0]", None),
         ([ChatMessage("user", (ChatPart(embeds=rows(8150)),))], "messages", "CONTEXT_OVERFLOW"),
     ],
 )

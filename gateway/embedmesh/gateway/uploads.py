@@ -1,0 +1,100 @@
+"""``/v1/prompt_embeds``: upload an embeddings tensor once, refer to it by id afterwards.
+
+    POST   /v1/prompt_embeds        {"data": "<base64 torch.save or safetensors>", "ttl_seconds": 3600}
+                                    -> {"id": "emb-…", "object": "prompt_embeds", "shape", "dtype", "bytes",
+                                        "expires_at"}
+    GET    /v1/prompt_embeds/{id}   -> {"id", "object", "present": true} or 404
+    DELETE /v1/prompt_embeds/{id}   -> {"id", "object", "deleted": true} or 404
+
+Use the id as ``{"id": "emb-…"}`` in ``prompt_embeds`` or ``prompt_embeds_prefix`` (completions) or as a chat part
+``{"type": "prompt_embeds", "id": "emb-…"}``. With the openai SDK: ``client.post("/prompt_embeds", body=…,
+cast_to=object)`` and ``extra_body={"prompt_embeds_prefix": {"id": …}}``. Ids are content hashes: uploading the same
+tensor twice gives the same id. They expire after their TTL (and, without Redis, can be evicted from the in-process
+cache under memory pressure); an unknown or expired id is a 404 naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
+from embedmesh.core.tensors import DTYPE_NAMES
+from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
+from embedmesh.gateway.translate import decode_base64
+from embedmesh.tensor.v1 import tensor_pb2
+
+__all__ = ["upload_routes"]
+
+_CHUNK = 1 << 20
+
+
+def upload_routes(gateway: Any) -> list[Route]:
+    def stub() -> cache_pb2_grpc.EncoderCacheServiceStub:
+        return cache_pb2_grpc.EncoderCacheServiceStub(gateway.channel)
+
+    async def create(request: Request) -> Response:
+        body = await gateway.read_json(request)
+        data = decode_base64(body.get("data"), "data")
+        ttl = body.get("ttl_seconds")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
+            raise bad_request("ttl_seconds", "must be an integer >= 1", "invalid_value")
+        header = cache_pb2.PutHeader(encoding=tensor_pb2.TENSOR_ENCODING_TORCH_SAVE)
+        if ttl is not None:
+            header.ttl_seconds = ttl
+
+        async def messages() -> AsyncIterator[cache_pb2.PutRequest]:
+            yield cache_pb2.PutRequest(header=header)
+            for i in range(0, len(data), _CHUNK):
+                yield cache_pb2.PutRequest(chunk=data[i:i + _CHUNK])
+
+        try:
+            r = await stub().Put(messages(), timeout=gateway.config.request_timeout_seconds)
+        except grpc.aio.AioRpcError as e:
+            err = from_grpc(e)
+            if err.param == "chunk":
+                err.param = "data"
+                err.message = err.message.replace("chunk:", "data:", 1)
+            raise err from None
+        if not r.stored:
+            raise ApiError(413, f"data: the tensor ({r.size_bytes} bytes) is larger than the cache", param="data",
+                           code="too_large")
+        return Response(orjson.dumps({"id": r.key, "object": "prompt_embeds", "shape": list(r.shape),
+                                      "dtype": DTYPE_NAMES.get(r.dtype), "bytes": r.size_bytes,
+                                      "expires_at": r.expires_at}), media_type="application/json")
+
+    async def retrieve(request: Request) -> Response:
+        key = request.path_params["id"]
+        try:
+            r = await stub().Contains(cache_pb2.ContainsRequest(keys=[key]), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        if not r.present[0]:
+            raise ApiError(404, f"id: no uploaded tensor {key!r} (unknown or expired)", param="id",
+                           code="embeds_id_not_found", type_="not_found_error")
+        return Response(orjson.dumps({"id": key, "object": "prompt_embeds", "present": True}),
+                        media_type="application/json")
+
+    async def delete(request: Request) -> Response:
+        key = request.path_params["id"]
+        try:
+            r = await stub().Delete(cache_pb2.DeleteRequest(key=key), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        if not r.deleted:
+            raise ApiError(404, f"id: no uploaded tensor {key!r}", param="id", code="embeds_id_not_found",
+                           type_="not_found_error")
+        return Response(orjson.dumps({"id": key, "object": "prompt_embeds", "deleted": True}),
+                        media_type="application/json")
+
+    return [
+        Route("/v1/prompt_embeds", create, methods=["POST"]),
+        Route("/v1/prompt_embeds/{id}", retrieve, methods=["GET"]),
+        Route("/v1/prompt_embeds/{id}", delete, methods=["DELETE"]),
+    ]
