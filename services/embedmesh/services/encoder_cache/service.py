@@ -67,9 +67,13 @@ class EncoderCacheServicer(cache_pb2_grpc.EncoderCacheServiceServicer):
             if any(d < 0 for d in header.shape):
                 raise InvalidArgument("header.shape: dimensions must be >= 0", field="header.shape",
                                       reason="INVALID_SHAPE")
-            arr, dtype = tensors.to_numpy(
-                tensors.tensor_pb2.Tensor(dtype=header.dtype, shape=header.shape, data=bytes(buf)), field="chunk"
-            )
+            try:
+                arr, dtype = tensors.to_numpy(
+                    tensors.tensor_pb2.Tensor(dtype=header.dtype, shape=header.shape, data=bytes(buf)), field="chunk"
+                )
+            except InvalidArgument as e:
+                raise InvalidArgument(e.message.replace("chunk.data", "chunk", 1), field="chunk",
+                                      reason=e.reason) from None
         ttl = header.ttl_seconds if header.HasField("ttl_seconds") else None
         key = header.key or content_key(dtype, arr.shape, memoryview(np.ascontiguousarray(arr)).cast("B"))
         value = CachedTensor(np.ascontiguousarray(arr), dtype)
