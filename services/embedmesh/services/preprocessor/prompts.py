@@ -32,8 +32,9 @@ class RawEmbeds:
 class EmbedsResolver:
     """Turns a RawEmbeds into validated rows in the model dtype.
 
-    Serialized payloads are decoded once per distinct payload: the decoded tensor is cached under a BLAKE3 hash
-    of the bytes, so a repeated prompt skips unpickling (and, with Redis as L2, so do the other replicas).
+    Serialized payloads are decoded and validated once per distinct payload and model shape: the rows are cached
+    under a BLAKE3 hash of the bytes, so a repeated prompt skips unpickling and the NaN/Inf scan (and, with Redis
+    as L2, so do the other replicas). Errors are never cached.
     Upload ids resolve through the same cache; unknown or expired ids are a NotFound naming the field.
     """
 
@@ -43,33 +44,43 @@ class EmbedsResolver:
         self.max_bytes = max_bytes
         self.max_tokens = max_tokens
 
-    async def tensor(self, raw: RawEmbeds, field: str) -> tuple[np.ndarray, int]:
-        """The decoded, not yet validated tensor."""
+    async def __call__(self, raw: RawEmbeds, field: str) -> np.ndarray:
+        """Validated ``(rows, hidden)`` in the model dtype; serialized payloads are decoded and checked once."""
         if raw.cache_id:
             value = await lookup_upload(self.cache, raw.cache_id, field)
-            return value.array, value.dtype
-        if raw.encoded is not None:
+            rows = validate_embeds(value.array, value.dtype, self.spec, field=field, max_tokens=self.max_tokens)
+        elif raw.encoded is not None:
             data = raw.encoded
 
-            async def decode() -> CachedTensor:
+            async def decode_and_validate() -> CachedTensor:
                 if len(data) > 1 << 20:  # keep the event loop free while a big payload decodes
                     arr, dtype = await asyncio.to_thread(decode_tensor_bytes, data, max_bytes=self.max_bytes,
                                                          field=field)
                 else:
                     arr, dtype = decode_tensor_bytes(data, max_bytes=self.max_bytes, field=field)
-                return CachedTensor(arr, dtype)
+                # Context length is checked per request below: the cached rows only depend on the model's shape.
+                rows = validate_embeds(arr, dtype, self.spec, field=field, max_tokens=0)
+                return CachedTensor(rows, self.spec.dtype)
 
-            value = await self.cache.get_or_compute(payload_key("payload", data), decode)
-            return value.array, value.dtype
-        if raw.array is None:
+            # The key covers what validation depends on, so a hit is rows ready for this model.
+            key = payload_key(f"payload:{self.spec.dtype}:{self.spec.hidden_size}", data)
+            rows = (await self.cache.get_or_compute(key, decode_and_validate)).array
+        elif raw.array is not None:
+            check_cap(field, raw.array.nbytes, self.max_bytes)
+            rows = validate_embeds(raw.array, raw.dtype, self.spec, field=field, max_tokens=self.max_tokens)
+        else:
             raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
-        check_cap(field, raw.array.nbytes, self.max_bytes)
-        return raw.array, raw.dtype
+        return check_rows_context(rows, self.spec, field, self.max_tokens)
 
-    async def __call__(self, raw: RawEmbeds, field: str) -> np.ndarray:
-        arr, dtype = await self.tensor(raw, field)
-        check_cap(field, arr.nbytes, self.max_bytes)
-        return validate_embeds(arr, dtype, self.spec, field=field, max_tokens=self.max_tokens)
+
+def check_rows_context(rows: np.ndarray, spec: ModelSpec, field: str, max_tokens: int) -> np.ndarray:
+    if rows.shape[0] + max_tokens > spec.max_context_tokens:
+        raise InvalidArgument(
+            f"{field}: {rows.shape[0]} rows + max_tokens {max_tokens} exceed the model's context of "
+            f"{spec.max_context_tokens} positions",
+            field=field, reason="CONTEXT_OVERFLOW",
+        )
+    return rows
 
 
 Piece = tuple[int, ...] | np.ndarray
