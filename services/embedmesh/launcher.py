@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=int(env.get("EMBEDMESH_NUM_WORKERS", "1")))
     p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"))
     p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", "default"))
-    p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "2")))
+    p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "0")),
+                   help="torch threads per worker (0 = the machine's cores shared among the workers)")
+    p.add_argument("--router-port", type=int, default=int(env.get("EMBEDMESH_ROUTER_PORT", "50081")),
+                   help="KV router port (0 = no router: round robin)")
     p.add_argument("--metrics-port-base", type=int, default=int(env.get("EMBEDMESH_METRICS_PORT_BASE", "9100")),
                    help="Prometheus ports: preprocessor base+1, worker i base+10+i (0 = no metrics ports)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -96,11 +99,21 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
     env = {**MALLOC_TUNING, **os.environ}
     procs: list[MeshProcess] = []
     worker_addrs = []
+    threads = a.worker_threads or max(1, (os.cpu_count() or 2) // a.workers)
+    router_addr = f"{a.host}:{a.router_port}" if a.router_port else ""
+    if router_addr:
+        r_args = ["--host", a.host, "--port", str(a.router_port)]
+        if a.metrics_port_base:
+            r_args += ["--metrics-port", str(a.metrics_port_base + 2)]
+        proc = _spawn("router", "embedmesh.services.router.main", r_args, env)
+        procs.append(MeshProcess("router", router_addr, proc))
     for i in range(a.workers):
         addr = f"{a.host}:{a.worker_port + i}"
         worker_addrs.append(addr)
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", a.model,
-                "--threads", str(a.worker_threads)]
+                "--threads", str(threads)]
+        if router_addr:
+            args += ["--routers", router_addr]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
         proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)
@@ -109,6 +122,8 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
     pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
     if a.metrics_port_base:
         pre_args += ["--metrics-port", str(a.metrics_port_base + 1)]
+    if router_addr:
+        pre_args += ["--routers", router_addr]
     if a.engine == "echo":
         pre_args += ["--tokenizer", a.model]
     procs.append(MeshProcess("preprocessor", pre_addr,
@@ -142,15 +157,25 @@ def main(argv: list[str] | None = None) -> int:
             print("[launcher] the mesh did not become healthy; stopping. Check the logs above.", flush=True)
             stop_all(procs)
             return 1
-        print(f"[launcher] mesh ready: OpenAI API at {gateway}/v1, gRPC InferenceService at {procs[-2].address}",
+        print(f"[launcher] mesh ready: OpenAI API at {gateway}/v1, gRPC InferenceService at "
+              f"{next(p.address for p in procs if p.name == 'preprocessor')}",
               flush=True)
         print("[launcher] press Ctrl-C to stop", flush=True)
+        reported: set[str] = set()
         while True:
             for p in procs:
-                if p.proc.poll() is not None:
-                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
-                    stop_all(procs)
-                    return 1
+                if p.proc.poll() is None or p.name in reported:
+                    continue
+                reported.add(p.name)
+                workers_alive = [w for w in procs if w.name.startswith("worker-") and w.proc.poll() is None]
+                if p.name.startswith("worker-") and workers_alive:
+                    # One worker of several is gone: the router drops it and the rest keep serving.
+                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
+                          f"{len(workers_alive)} worker(s) still serving", flush=True)
+                    continue
+                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
+                stop_all(procs)
+                return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\n[launcher] stopping (draining in-flight requests)...", flush=True)

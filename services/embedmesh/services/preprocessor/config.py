@@ -37,6 +37,10 @@ class PreprocessorConfig:
     """Redis for the shared L2 (REDIS_URL); empty = L1 only, the embedded default."""
     upload_ttl_seconds: int = 3600
     """Default lifetime of tensors uploaded once and referred to by id."""
+    routers: tuple[str, ...] = ()
+    """KV router addresses; empty = round robin over the workers."""
+    block_size: int = 16
+    """Positions per block for routing hashes (must match the workers')."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -49,6 +53,8 @@ class PreprocessorConfig:
             raise ValueError("max_message_bytes must be >= 4 MiB")
         if self.cache_capacity_bytes < 0 or self.upload_ttl_seconds < 1:
             raise ValueError("cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         if self.max_n < 1 or self.max_prompts < 1:
             raise ValueError("max_n and max_prompts must be >= 1")
 
@@ -70,11 +76,14 @@ class PreprocessorConfig:
                        default=int(env.get("EMBEDMESH_CACHE_CAPACITY_BYTES", cls.cache_capacity_bytes)))
         p.add_argument("--redis-url", default=env.get("REDIS_URL", ""))
         p.add_argument("--upload-ttl", type=int, default=int(env.get("EMBEDMESH_UPLOAD_TTL_SECONDS", 3600)))
+        p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
+        p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
         return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
                    metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes, redis_url=a.redis_url,
-                   upload_ttl_seconds=a.upload_ttl)
+                   upload_ttl_seconds=a.upload_ttl,
+                   routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size)
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

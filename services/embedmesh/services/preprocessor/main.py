@@ -17,6 +17,7 @@ from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.services.preprocessor.workers import WorkerPool
+from embedmesh.services.router.route_client import RouteClient
 
 log = get_logger("embedmesh.preprocessor")
 
@@ -49,17 +50,20 @@ async def serve(config: PreprocessorConfig) -> None:
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes)
+    router = RouteClient(config.routers, config.block_size) if config.routers else None
     cache = TieredCache(CacheConfig(capacity_bytes=config.cache_capacity_bytes, redis_url=config.redis_url,
                                     default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
                                                   max_message_bytes=config.max_message_bytes,
                                                   metrics_port=config.metrics_port))
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, template, config, cache), SERVICE_NAME)
+               InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME)
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
                EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE)
     server.on_drain(cache.close)
+    if router is not None:
+        server.on_drain(router.close)
     server.on_drain(pool.close)
     await server.start()
     server.install_signal_handlers()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -18,11 +18,13 @@ from prometheus_client import Counter, Histogram
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
+from embedmesh.core.block_hash import block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import SamplingParams
 from embedmesh.services.preprocessor.prompts import Prompt
-from embedmesh.services.preprocessor.workers import WorkerPool
+from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
+from embedmesh.services.router.route_client import RouteClient
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["Job", "Delta", "run_job"]
@@ -83,12 +85,13 @@ def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return p
 
 
-async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
+async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None) -> AsyncIterator[Delta | Usage]:
     """Yield deltas as workers produce them, then one Usage."""
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
     segments = [_segments(p, job.model_dtype) for p in job.prompts]
     for p_index, segment in enumerate(segments):
+        hashes = block_hashes(job.prompts[p_index].pieces, router.block_size) if router else []
         for i in range(job.n):
             index = p_index * job.n + i
             sampling = job.sampling
@@ -99,7 +102,8 @@ async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
                 segments=segment,
                 sampling=_sampling_proto(sampling),
             )
-            tasks.append(asyncio.create_task(_one(index, req, job.model, pool, out)))
+            pick = _picker(pool, router, job.model, hashes, len(job.prompts[p_index]), req.request_id)
+            tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.model)))
     remaining = len(tasks)
     completion = 0
     t0 = time.perf_counter()
@@ -133,37 +137,67 @@ async def run_job(job: Job, pool: WorkerPool) -> AsyncIterator[Delta | Usage]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: list[int], prompt_len: int,
+            request_id: str) -> Callable[[], Awaitable[WorkerHandle]]:
+    """The worker for one sequence: the KV router's choice, else round robin (router absent or unreachable)."""
+
+    async def pick() -> WorkerHandle:
+        if router is not None:
+            decision = await router.route(model, hashes, prompt_len, request_id)
+            if decision is not None:
+                return pool.handle_for(decision.address)
+        return pool.pick(model)
+
+    return pick
+
+
 async def _one(
     index: int,
     req: worker_pb2.GenerateRequest,
-    model: str,
-    pool: WorkerPool,
+    pick: Callable[[], Awaitable[WorkerHandle]],
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
+    pool: WorkerPool | None = None,
+    model: str = "",
 ) -> None:
-    worker = None
-    call = None
-    try:
-        worker = pool.pick(model)
-        worker.inflight += 1
-        call = worker.stub.Generate(req)
-        async for resp in call:
-            if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                raise Unavailable(f"worker {worker.address} aborted the sequence; retry", reason="WORKER_ABORTED")
-            out.put_nowait((index, resp))
-    except asyncio.CancelledError:
-        raise
-    except grpc.aio.AioRpcError as e:
-        err = from_rpc_error(e)
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
-            err = Unavailable(f"worker {worker.address if worker else '?'} is unavailable: {e.details()}",
-                              reason="WORKER_UNAVAILABLE")
-        out.put_nowait(err)
-    except EmbedmeshError as e:
-        out.put_nowait(e)
-    except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to INTERNAL
-        out.put_nowait(e)
-    finally:
-        if call is not None:
-            call.cancel()
-        if worker is not None:
-            worker.inflight -= 1
+    """Stream one sequence from a worker into ``out``. A worker found dead before it produced anything (it died
+    after the router chose it) is marked unhealthy and the sequence is retried once on another worker."""
+    for attempt in range(2):
+        worker = None
+        call = None
+        sent = False
+        try:
+            worker = await pick() if attempt == 0 or pool is None else pool.pick(model)
+            worker.inflight += 1
+            call = worker.stub.Generate(req)
+            async for resp in call:
+                if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    raise Unavailable(f"worker {worker.address} aborted the sequence; retry",
+                                      reason="WORKER_ABORTED")
+                sent = True
+                out.put_nowait((index, resp))
+            return
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                if worker is not None:
+                    worker.healthy = False
+                if not sent and attempt == 0 and pool is not None:
+                    log.warning("worker unavailable; retrying on another", extra={"worker": worker and worker.address})
+                    continue
+                out.put_nowait(Unavailable(f"worker {worker.address if worker else '?'} is unavailable: "
+                                           f"{e.details()}", reason="WORKER_UNAVAILABLE"))
+            else:
+                out.put_nowait(from_rpc_error(e))
+            return
+        except EmbedmeshError as e:
+            out.put_nowait(e)
+            return
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to INTERNAL
+            out.put_nowait(e)
+            return
+        finally:
+            if call is not None:
+                call.cancel()
+            if worker is not None:
+                worker.inflight -= 1

@@ -22,6 +22,7 @@ from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds, Tokenizer, build_prompts
 from embedmesh.services.preprocessor.workers import WorkerPool
+from embedmesh.services.router.route_client import RouteClient
 
 __all__ = ["InferenceServicer"]
 
@@ -29,10 +30,11 @@ __all__ = ["InferenceServicer"]
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
         self, pool: WorkerPool, tokenizer: Tokenizer, template: ChatTemplate, config: PreprocessorConfig,
-        cache: TieredCache,
+        cache: TieredCache, router: RouteClient | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
+        self.router = router
         self.tokenizer = tokenizer
         self.template = template
         self.config = config
@@ -93,7 +95,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return Job(rid, params.model, [prompt], sampling, n, info.dtype)
 
     async def _stream(self, job: Job, cls: Any) -> AsyncIterator[Any]:
-        async for item in run_job(job, self.pool):
+        async for item in run_job(job, self.pool, self.router):
             if isinstance(item, Delta):
                 yield cls(id=job.request_id, model=job.model, index=item.index, text=item.text,
                           token_ids=item.token_ids, finish_reason=item.finish_reason)
@@ -128,7 +130,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         ids: list[list[int]] = [[] for _ in range(count)]
         finish = [common_pb2.FINISH_REASON_UNSPECIFIED] * count
         usage = None
-        async for item in run_job(job, self.pool):
+        async for item in run_job(job, self.pool, self.router):
             if isinstance(item, Delta):
                 texts[item.index].append(item.text)
                 ids[item.index].extend(item.token_ids)

@@ -40,16 +40,36 @@ class WorkerPool:
 
     def __init__(self, addresses: tuple[str, ...], max_message_bytes: int) -> None:
         self.workers: list[WorkerHandle] = []
+        self._max_message_bytes = max_message_bytes
         for address in addresses:
-            channel = insecure_channel(address, max_message_bytes)
-            self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel)))
+            self._add(address)
         self._rr = itertools.count()
         self.changed = asyncio.Event()
         self.created: dict[str, int] = {}
+        self._started = False
+
+    def _add(self, address: str) -> WorkerHandle:
+        channel = insecure_channel(address, self._max_message_bytes)
+        handle = WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        self.workers.append(handle)
+        return handle
 
     def start(self) -> None:
+        self._started = True
         for w in self.workers:
             w._task = asyncio.create_task(self._watch(w), name=f"watch-{w.address}")
+
+    def handle_for(self, address: str) -> WorkerHandle:
+        """The handle of a worker the router named; workers not configured here are added and watched."""
+        for w in self.workers:
+            if w.address == address:
+                return w
+        handle = self._add(address)
+        handle.seen_serving = True  # routed to by the router: it registered, so it served
+        handle.healthy = True
+        if self._started:
+            handle._task = asyncio.create_task(self._watch(handle), name=f"watch-{address}")
+        return handle
 
     async def close(self) -> None:
         for w in self.workers:

@@ -31,6 +31,12 @@ class WorkerConfig:
     """Hidden size the echo engine claims."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = none)."""
+    routers: tuple[str, ...] = ()
+    """KV router addresses to register with (empty = not routable by KV overlap)."""
+    advertise: str = ""
+    """Address the router hands out for this worker (default host:port)."""
+    block_size: int = 16
+    """Positions per KV block for routing hashes; must match the preprocessor's."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("hf", "echo"):
@@ -41,6 +47,8 @@ class WorkerConfig:
             raise ValueError("max_batch_size must be >= 1")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -59,8 +67,13 @@ class WorkerConfig:
         p.add_argument("--dtype", default=env.get("EMBEDMESH_WORKER_DTYPE", cls.dtype))
         p.add_argument("--hidden-size", type=int, default=cls.hidden_size)
         p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_WORKER_METRICS_PORT", 0)))
+        p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
+        p.add_argument("--advertise", default=env.get("EMBEDMESH_WORKER_ADVERTISE", ""))
+        p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
         a = p.parse_args(argv)
-        return cls(**{k: v for k, v in vars(a).items()})
+        values = vars(a)
+        values["routers"] = tuple(r.strip() for r in a.routers.split(",") if r.strip())
+        return cls(**values)
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

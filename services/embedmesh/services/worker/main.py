@@ -8,6 +8,8 @@ import uuid
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
+from embedmesh.router.v1 import router_pb2
+from embedmesh.services.router.worker_client import LoadReport, RouterLink
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.metrics import register_engine_metrics
@@ -47,6 +49,15 @@ async def serve(config: WorkerConfig) -> None:
     info = engine.info()
     log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
     print(f"worker {worker_id} serving model {info.model!r} on {server.address}", flush=True)
+    if config.routers:
+        link = RouterLink(
+            config.routers,
+            router_pb2.Registration(worker_id=worker_id, address=config.advertise or server.address, model=info.model,
+                                    block_size=config.block_size, engine=info.engine, publishes_kv_events=False),
+            load=lambda: LoadReport(engine.stats().active_requests),
+        )
+        link.start()
+        server.on_drain(link.close)
     await server.wait_for_termination()
 
 

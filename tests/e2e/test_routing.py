@@ -1,0 +1,114 @@
+"""KV-aware routing on a real mesh with two hf workers and the router: a repeated long prompt (text, and
+separately embeddings) lands on the worker that served it first, unrelated prompts spread out, and a killed
+worker gets no request afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.e2e.conftest import MODEL, b64_of
+from tests.support.mesh import Mesh, start_mesh
+
+pytestmark = pytest.mark.e2e
+
+LONG = ("You are a meticulous assistant who answers questions about European geography with short, precise "
+        "sentences, always naming the country first and the city second, never guessing. ") * 3
+
+
+@pytest.fixture(scope="module")
+def mesh2() -> Iterator[Mesh]:
+    m = start_mesh(workers=2)
+    yield m
+    m.stop()
+
+
+def completed(addr: str) -> int:
+    with grpc.insecure_channel(addr) as ch:
+        return worker_pb2_grpc.WorkerServiceStub(ch).GetStats(worker_pb2.GetStatsRequest(), timeout=10) \
+            .completed_requests
+
+
+def served_by(mesh: Mesh, body: dict[str, Any]) -> str:
+    before = {w: completed(w) for w in mesh.workers}
+    r = httpx.post(f"{mesh.base_url}/v1/completions", json={"model": MODEL, "max_tokens": 2, "temperature": 0,
+                                                            **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    changed = [w for w in mesh.workers if completed(w) > before[w]]
+    assert len(changed) == 1
+    return changed[0]
+
+
+def wait_registered(mesh: Mesh, count: int) -> list[router_pb2.WorkerInfo]:
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(mesh.extra["router"]) as ch:
+        stub = router_pb2_grpc.RouterServiceStub(ch)
+        while time.monotonic() < deadline:
+            workers = list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
+            if len(workers) == count:
+                return workers
+            time.sleep(0.2)
+    raise AssertionError(f"expected {count} registered workers")
+
+
+def test_both_workers_register(mesh2: Mesh) -> None:
+    workers = wait_registered(mesh2, 2)
+    assert sorted(w.registration.address for w in workers) == sorted(mesh2.workers)
+    assert all(w.registration.model == MODEL and not w.registration.publishes_kv_events for w in workers)
+
+
+def test_repeated_text_prompt_sticks_unrelated_prompts_spread(mesh2: Mesh) -> None:
+    wait_registered(mesh2, 2)
+    first = served_by(mesh2, {"prompt": LONG + "Question one?"})
+    for i in range(3):
+        assert served_by(mesh2, {"prompt": LONG + f"Question {i + 2}?"}) == first
+    others = {served_by(mesh2, {"prompt": f"{i} unrelated short prompt number {i} about cooking pasta"})
+              for i in range(6)}
+    assert len(others) == 2, "unrelated prompts all went to one worker"
+
+
+def test_repeated_embeddings_prompt_sticks(mesh2: Mesh, embeds_of: Any) -> None:
+    wait_registered(mesh2, 2)
+    payload = b64_of(embeds_of(LONG.replace("European", "Asian")))
+    first = served_by(mesh2, {"prompt": "", "prompt_embeds": payload})
+    for _ in range(3):
+        assert served_by(mesh2, {"prompt": "", "prompt_embeds": payload}) == first
+
+
+def test_route_decision_is_visible_over_grpc(mesh2: Mesh) -> None:
+    from embedmesh.core.block_hash import block_hashes
+    from embedmesh.services.preprocessor.prompts import Tokenizer
+    from embedmesh.models import ensure_default_model
+
+    ids = Tokenizer(ensure_default_model()).encode(LONG + "Question one?")
+    hashes = block_hashes([ids], 16)
+    with grpc.insecure_channel(mesh2.extra["router"]) as ch:
+        r = router_pb2_grpc.RouterServiceStub(ch).Route(
+            router_pb2.RouteRequest(model=MODEL, block_hashes=hashes, block_size=16, prompt_tokens=len(ids)), timeout=5)
+    assert r.overlap_blocks == len(hashes), "the router should know the whole prompt from the earlier test"
+    assert len(r.candidates) == 2 and r.candidates[0].worker_id == r.worker_id
+    assert r.candidates[0].cost < r.candidates[1].cost
+
+
+def test_killed_worker_gets_no_more_requests(mesh2: Mesh) -> None:
+    workers = wait_registered(mesh2, 2)
+    victim = workers[0].registration.address
+    port = int(victim.rsplit(":", 1)[1])
+    pid = int(os.popen(f"ss -ltnp 'sport = :{port}' | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2").read().strip())
+    os.kill(pid, signal.SIGKILL)
+    wait_registered(mesh2, 1)
+    survivor = next(w for w in mesh2.workers if w != victim)
+    for i in range(4):
+        r = httpx.post(f"{mesh2.base_url}/v1/completions", timeout=120,
+                       json={"model": MODEL, "prompt": LONG + f"after the kill {i}", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert completed(survivor) >= 4
