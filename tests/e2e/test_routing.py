@@ -86,8 +86,8 @@ def test_repeated_embeddings_prompt_sticks(mesh2: Mesh, embeds_of: Any) -> None:
 
 def test_route_decision_is_visible_over_grpc(mesh2: Mesh) -> None:
     from embedmesh.core.block_hash import block_hashes
-    from embedmesh.services.preprocessor.prompts import Tokenizer
     from embedmesh.models import ensure_default_model
+    from embedmesh.services.preprocessor.prompts import Tokenizer
 
     ids = Tokenizer(ensure_default_model()).encode(LONG + "Question one?")
     hashes = block_hashes([ids], 16)

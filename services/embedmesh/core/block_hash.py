@@ -32,6 +32,7 @@ def block_hashes(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray],
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     out: list[int] = []
+    pieces = _merged(pieces)
     parent = ROOT
     h = blake3.blake3(struct.pack("<Q", parent))
     filled = 0
@@ -54,6 +55,19 @@ def block_hashes(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray],
                 out.append(parent)
                 h = blake3.blake3(struct.pack("<Q", parent))
                 filled = 0
+    return out
+
+
+def _merged(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray]) -> list[tuple[int, ...] | np.ndarray]:
+    """Adjacent pieces of one kind joined, so where a prompt was split into pieces never changes its hashes."""
+    out: list[tuple[int, ...] | np.ndarray] = []
+    for piece in pieces:
+        is_rows = isinstance(piece, np.ndarray)
+        if out and isinstance(out[-1], np.ndarray) == is_rows:
+            prev = out[-1]
+            out[-1] = np.concatenate([prev, piece]) if is_rows else (*prev, *piece)  # type: ignore[misc]
+        else:
+            out.append(piece if is_rows else tuple(piece))  # type: ignore[arg-type]
     return out
 
 
