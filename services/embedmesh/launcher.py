@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV router port (0 = no router: round robin)")
     p.add_argument("--metrics-port-base", type=int, default=int(env.get("EMBEDMESH_METRICS_PORT_BASE", "9100")),
                    help="Prometheus ports: preprocessor base+1, worker i base+10+i (0 = no metrics ports)")
+    p.add_argument("--embed-worker-port", type=int, default=int(env.get("EMBEDMESH_EMBED_WORKER_PORT", "50091")),
+                   help="port of the hf-embed worker serving /v1/embeddings (0 = none)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -118,6 +120,14 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
             args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
         proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)
         procs.append(MeshProcess(f"worker-{i}", addr, proc))
+    if a.embed_worker_port and a.engine != "echo":
+        addr = f"{a.host}:{a.embed_worker_port}"
+        worker_addrs.append(addr)
+        args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", "hf-embed", "--threads", "1"]
+        if a.metrics_port_base:
+            args += ["--metrics-port", str(a.metrics_port_base + 9)]
+        procs.append(MeshProcess("embed-worker", addr, _spawn("embed-worker", "embedmesh.services.worker.main", args,
+                                                               env)))
     pre_addr = f"{a.host}:{a.preprocessor_port}"
     pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
     if a.metrics_port_base:
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 reported.add(p.name)
                 workers_alive = [w for w in procs if w.name.startswith("worker-") and w.proc.poll() is None]
-                if p.name.startswith("worker-") and workers_alive:
+                if (p.name.startswith("worker-") and workers_alive) or p.name == "embed-worker":
                     # One worker of several is gone: the router drops it and the rest keep serving.
                     print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
                           f"{len(workers_alive)} worker(s) still serving", flush=True)

@@ -146,6 +146,8 @@ def test_text_prompt_list_and_token_ids(client: Any, hf_model: Any) -> None:
 def test_models_and_health(mesh: Any, client: Any) -> None:
     import httpx
 
-    models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {MODEL, "all-MiniLM-L6-v2"}
+    assert models[MODEL].model_extra["task"] == "generate"
+    assert models["all-MiniLM-L6-v2"].model_extra["task"] == "embed"
     assert httpx.get(f"{mesh.base_url}/health", timeout=10).status_code == 200

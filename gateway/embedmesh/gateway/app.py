@@ -27,6 +27,7 @@ from starlette.routing import Route
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.telemetry import tracer
 from embedmesh.gateway.config import GatewayConfig
+from embedmesh.gateway.embeddings import embedding_routes
 from embedmesh.gateway.errors import ApiError, error_response, from_grpc
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, require_object, usage_json
 from embedmesh.gateway.uploads import upload_routes
@@ -254,7 +255,7 @@ def create_app(config: GatewayConfig, extra_routes: list[Route] | None = None) -
         Route("/health", gw.health_check, methods=["GET"]),
         Route("/metrics", gw.metrics, methods=["GET"]),
     ]
-    for r in [*upload_routes(gw), *(extra_routes or [])]:
+    for r in [*upload_routes(gw), *embedding_routes(gw), *(extra_routes or [])]:
         routes.append(Route(r.path, _observed(r.path, r.endpoint), methods=list(r.methods or ["GET"])))
 
     async def http_error(request: Request, exc: Exception) -> Response:

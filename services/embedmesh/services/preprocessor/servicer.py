@@ -18,11 +18,13 @@ from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
 from embedmesh.services.preprocessor.config import PreprocessorConfig
+from embedmesh.services.preprocessor.embeddings import embed_inputs
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds, Tokenizer, build_prompts
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import RouteClient
+from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["InferenceServicer"]
 
@@ -39,10 +41,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.template = template
         self.config = config
 
-    async def _job(self, params: inference_pb2.CompletionParams) -> Job:
-        if not params.model:
+    def _model(self, model: str, task: int) -> worker_pb2.GetInfoResponse:
+        if not model:
             raise InvalidArgument("model is required", field="model", reason="REQUIRED")
-        info = self.pool.spec(params.model)
+        info = self.pool.spec(model)
+        if info.task == worker_pb2.MODEL_TASK_EMBED and task != worker_pb2.MODEL_TASK_EMBED:
+            raise InvalidArgument(f"model: {model!r} is an embedding model; use /v1/embeddings", field="model",
+                                  reason="WRONG_TASK")
+        if task == worker_pb2.MODEL_TASK_EMBED and info.task != worker_pb2.MODEL_TASK_EMBED:
+            raise InvalidArgument(f"model: {model!r} generates text; pick an embedding model (see /v1/models)",
+                                  field="model", reason="WRONG_TASK")
+        return info
+
+    async def _job(self, params: inference_pb2.CompletionParams) -> Job:
+        info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
         sampling = sampling_from_proto(params.sampling)
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
@@ -68,9 +80,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return Job(rid, params.model, prompts, sampling, n, info.dtype)
 
     async def _chat_job(self, params: inference_pb2.ChatParams) -> Job:
-        if not params.model:
-            raise InvalidArgument("model is required", field="model", reason="REQUIRED")
-        info = self.pool.spec(params.model)
+        info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
         sampling = sampling_from_proto(params.sampling)
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
@@ -149,6 +159,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             usage=_usage(usage),
         )
 
+    async def Embed(  # noqa: N802
+        self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.EmbedResponse:
+        self._model(request.model, worker_pb2.MODEL_TASK_EMBED)
+        inputs: list[str | list[int]] = [
+            i.text if i.WhichOneof("kind") == "text" else list(i.token_ids.ids) for i in request.inputs
+        ]
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        vectors, tokens = await embed_inputs(self.pool, self.cache, request.model, inputs, dimensions)
+        return inference_pb2.EmbedResponse(
+            model=request.model, embeddings=tensors.from_numpy(vectors),
+            usage=common_pb2.Usage(prompt_tokens=tokens, total_tokens=tokens),
+        )
+
     async def ListModels(  # noqa: N802
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
@@ -164,6 +188,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     dtype=info.dtype,
                     engines=sorted({w.info.engine for w in group if w.info}),
                     ready_workers=sum(1 for w in group if w.healthy),
+                    task="embed" if info.task == worker_pb2.MODEL_TASK_EMBED else "generate",
+                    embedding_size=info.embedding_size,
                     created=self.pool.created.get(name, int(time.time())),
                 )
             )

@@ -6,13 +6,16 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
-__all__ = ["WorkerConfig"]
+__all__ = ["WorkerConfig", "ENGINES"]
+
+ENGINES = ("hf", "hf-embed", "echo")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     engine: str = "hf"
-    """Engine kind: "hf" (transformers, the default) or "echo" (no model; for overhead benchmarks)."""
+    """Engine kind: "hf" (transformers generation, the default), "hf-embed" (sentence-transformers embeddings)
+    or "echo" (no model; for overhead benchmarks)."""
     model: str = "default"
     """Local Hugging Face folder, or "default" for the bundled SmolLM2-135M-Instruct."""
     served_name: str = ""
@@ -39,8 +42,8 @@ class WorkerConfig:
     """Positions per KV block for routing hashes; must match the preprocessor's."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("hf", "echo"):
-            raise ValueError(f"engine must be 'hf' or 'echo', got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_batch_size < 1:

@@ -64,4 +64,7 @@ def info_to_proto(info: ModelInfo, worker_id: str) -> worker_pb2.GetInfoResponse
         vocab_size=info.vocab_size,
         worker_id=worker_id,
         max_batch_size=info.max_batch_size,
+        task=worker_pb2.MODEL_TASK_EMBED if info.task == "embed" else worker_pb2.MODEL_TASK_GENERATE,
+        embedding_size=info.embedding_size,
+        supports_dimensions=info.supports_dimensions,
     )

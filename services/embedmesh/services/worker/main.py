@@ -26,6 +26,16 @@ def build_engine(config: WorkerConfig) -> Engine:
         from embedmesh.services.worker.engines.echo import EchoEngine
 
         return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
+    if config.engine == "hf-embed":
+        from pathlib import Path
+
+        from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
+        from embedmesh.services.worker.engines.hf_embed import HFEmbedConfig, HFEmbedEngine
+
+        default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
+        folder = minilm_dir() if default else Path(config.model)
+        name = config.served_name or (DEFAULT_EMBEDDING_MODEL if default else folder.name)
+        return HFEmbedEngine(HFEmbedConfig(folder, name, threads=config.threads))
     from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
     from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
 
@@ -49,7 +59,7 @@ async def serve(config: WorkerConfig) -> None:
     info = engine.info()
     log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
     print(f"worker {worker_id} serving model {info.model!r} on {server.address}", flush=True)
-    if config.routers:
+    if config.routers and info.task == "generate":
         link = RouterLink(
             config.routers,
             router_pb2.Registration(worker_id=worker_id, address=config.advertise or server.address, model=info.model,

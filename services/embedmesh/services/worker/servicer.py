@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from embedmesh.core import tensors
+from embedmesh.core.errors import FailedPrecondition, InvalidArgument
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine
@@ -43,6 +45,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetInfoResponse:
         return info_to_proto(self.engine.info(), self.worker_id)
+
+    async def Embed(  # noqa: N802
+        self, request: worker_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.EmbedResponse:
+        inputs: list[str | list[int]] = [
+            i.text if i.WhichOneof("kind") == "text" else list(i.token_ids.ids) for i in request.inputs
+        ]
+        if not inputs:
+            raise InvalidArgument("input: at least one input is required", field="input", reason="EMPTY")
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        try:
+            vectors, tokens = await self.engine.embed(inputs, dimensions)
+        except NotImplementedError:
+            raise FailedPrecondition(f"model: {self.engine.info().model} does not produce embeddings",
+                                     field="model", reason="WRONG_TASK") from None
+        return worker_pb2.EmbedResponse(embeddings=tensors.from_numpy(vectors), prompt_tokens=sum(tokens),
+                                        input_tokens=tokens)
 
     async def GetStats(  # noqa: N802
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

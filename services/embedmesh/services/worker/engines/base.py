@@ -93,6 +93,12 @@ class ModelInfo:
     """torch-style dtype name without the prefix: "float32", "bfloat16", "float16"."""
     vocab_size: int
     max_batch_size: int
+    task: str = "generate"
+    """"generate" or "embed"."""
+    embedding_size: int = 0
+    """Vector length of an embedding model."""
+    supports_dimensions: bool = False
+    """Whether vectors may be truncated (Matryoshka-trained models)."""
 
 
 @dataclass
@@ -134,6 +140,8 @@ class Engine(ABC):
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release the engine."""
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """Pooled, normalised embeddings for token id lists (embedding engines only)."""
+    async def embed(self, inputs: list[str | list[int]],
+                    dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:
+        """Pooled, normalised float32 vectors (one row per input, in order) and each input's token count.
+        Embedding engines only."""
         raise NotImplementedError
