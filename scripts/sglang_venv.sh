@@ -5,11 +5,14 @@
 # source tree with PYTHONPATH=<repo>/services:<repo>/gateway:<repo>/gen/python. A `.complete` marker makes reruns
 # a no-op; a half-built venv (no marker) is removed and rebuilt.
 #
-# Why not `pip install sglang==0.5.23` as is: its metadata pins torch==2.14.1 (a CUDA build, ~5.5 GB with the
-# nvidia-* wheels) and pulls GPU-only kernels (flashinfer, flash-attn-4, sglang-kernel, deep-gemm, tilelang,
-# cutlass-dsl, ...) that the CPU embedding path never imports. We install the CPU build of torch 2.13.0 that lies on
-# this machine's disk, sglang with --no-deps, and then sglang's own requirements minus the GPU-only ones, pinned as
-# sglang pins them. EMBEDMESH_SGLANG_FULL=1 installs sglang with its full requirements instead (GPU hosts).
+# Why not `pip install sglang==0.5.23` as is: it also pulls GPU-only kernels (flashinfer, flash-attn-4,
+# sglang-kernel, deep-gemm, tilelang, cutlass-dsl, ...) that the CPU embedding path never imports. We install
+# sglang with --no-deps and then its own requirements minus the GPU-only ones, pinned as sglang pins them.
+# torch: sglang pins torch==2.14.1 and its import chain needs torchvision (sglang.srt.configs imports
+# torchvision.transforms), and PyPI's torchvision only imports beside its own torch build, so the CPU build of
+# torch 2.13.0 cannot be used: we take torch==2.14.1 + torchvision==0.29.1 (CUDA builds, ~5.5 GB in the venv with
+# the nvidia-* wheels; pip takes them from this machine's local wheel mirror when it has them, else it downloads
+# them). They run on the CPU. EMBEDMESH_SGLANG_FULL=1 installs sglang with all its requirements (GPU hosts).
 set -euo pipefail
 
 CACHE="${EMBEDMESH_CACHE:-$HOME/.cache/embedmesh}"
@@ -44,12 +47,12 @@ if [[ "${EMBEDMESH_SGLANG_FULL:-0}" == 1 ]]; then
   step "installing sglang==$SGLANG_VERSION with all its requirements (GPU host)"
   "${PIP[@]}" "sglang==$SGLANG_VERSION" "${WORKER_DEPS[@]}"
 else
-  step "installing torch==2.13.0 (CPU build)"
-  "${PIP[@]}" 'torch==2.13.0'
+  step "installing torch==2.14.1 and torchvision==0.29.1"
+  "${PIP[@]}" 'torch==2.14.1' 'torchvision==0.29.1'
   step "installing sglang==$SGLANG_VERSION (--no-deps)"
   "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
   # sglang 0.5.23's requirements that its CPU embedding path needs, pinned where sglang pins them. Left out: torch
-  # (2.13.0 above), torchaudio/torchvision/torchcodec/timm (media models), and the CUDA kernels.
+  # and torchvision (above), torchaudio/torchcodec/timm (media models), and the CUDA kernels.
   SGLANG_DEPS=(
     aiohttp 'anthropic>=0.20.0' 'apache-tvm-ffi==0.1.11' 'blobfile==3.0.0' build 'compressed-tensors==0.18.0'
     distro easydict einops fastapi gguf interegular IPython 'llguidance>=1.7.6,<2.0.0' 'mistral_common>=1.11.5'
@@ -59,8 +62,9 @@ else
     'smg-grpc-servicer>=0.9.0' tiktoken 'tokenizers==0.23.2' tqdm 'transformers==5.19.0' 'uvicorn>=0.51' uvloop
     watchfiles 'xgrammar==0.2.7' xxhash zstandard 'outlines==0.1.11' 'kernels>=0.14.1,<0.15' modelscope datasets
   )
+  TORCH_PINS=('torch==2.14.1' 'torchvision==0.29.1')
   step "installing sglang's CPU-side requirements (${#SGLANG_DEPS[@]} packages)"
-  "${PIP[@]}" "${SGLANG_DEPS[@]}" 'torch==2.13.0'
+  "${PIP[@]}" "${SGLANG_DEPS[@]}" "${TORCH_PINS[@]}"
 fi
 step "installing the worker's runtime dependencies"
 "${PIP[@]}" "${WORKER_DEPS[@]}"

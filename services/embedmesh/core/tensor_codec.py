@@ -2,14 +2,24 @@
 
 Accepted containers:
 - ``torch.save`` zip archives (what vLLM's REST clients send, base64-decoded). ``data.pkl`` is read by a
-  restricted unpickler that resolves only the globals a plain dense tensor needs (``_rebuild_tensor_v2``,
-  ``_rebuild_parameter``, typed storage classes, ``OrderedDict``) to harmless stand-ins; any other global is refused
-  before it is looked up, so no constructor, ``os.system`` or ``eval`` ever runs. Storages come from the archive's
-  ``data/<key>`` entries and are read only after the dense size passed the cap.
+  restricted unpickler whose ``find_class`` resolves only the globals a plain dense tensor needs
+  (``_rebuild_tensor_v2``, ``_rebuild_parameter``, ``_rebuild_from_type_v2`` for ``torch.Tensor``, the typed storage
+  classes, ``OrderedDict``) to harmless stand-ins of this module. Any other global is refused before it is looked
+  up, so no constructor, ``os.system`` or ``eval`` ever runs. Storages come from the archive's ``data/<key>`` entries
+  and are read only after the dense size and the storage size have passed the cap.
 - safetensors files holding exactly one tensor (the pickle-free alternative).
 
-Both return ``(array, DataType)``; bfloat16 comes back as its raw uint16 bits (see ``embedmesh.core.tensors``).
-Every failure is an ``InvalidArgument`` naming the caller's field, with a reason a program can switch on.
+Both return ``(array, DataType)``; the array is C-contiguous, owns its memory, and holds bfloat16 as raw uint16
+bits (see ``embedmesh.core.tensors``). Integer and bool tensors decode too, so the caller can refuse them by dtype
+rather than with a parse error. Every failure is an ``InvalidArgument`` naming the caller's field, with one of
+these reasons:
+
+    NOT_A_TENSOR       not one readable dense tensor (random bytes, a dict or list, truncated or inconsistent file)
+    LEGACY_FORMAT      torch's pre-1.6 non-zip serialization, or a bare pickle
+    UNSAFE_PICKLE      the pickle names a global a plain tensor never needs (refused unexecuted)
+    SPARSE_TENSOR      a sparse layout (COO, CSR, ...)
+    UNSUPPORTED_DTYPE  complex, quantized, float8, uint16/32/64 ...
+    TOO_LARGE          the dense or storage size is over the cap
 """
 
 from __future__ import annotations
@@ -31,11 +41,16 @@ from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["decode_tensor_bytes", "decode_torch_save", "decode_safetensors", "format_bytes", "check_cap"]
 
+DEFAULT_CAP_NAME = "EMBEDMESH_MAX_EMBEDS_BYTES"
+
 _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 20
 """data.pkl of one tensor is a few hundred bytes; anything large is not a plain tensor."""
+_MAX_SAFETENSORS_HEADER = 1 << 20
+"""The JSON header of a one-tensor safetensors file is under a hundred bytes."""
 
-# torch storage class -> (numpy dtype, DataType)
+# torch storage class -> (numpy dtype, DataType). These are the dtypes torch.save writes with _rebuild_tensor_v2;
+# newer ones (float8, uint16/32/64, complex32) go through _rebuild_tensor_v3, which is refused as a dtype.
 _STORAGES: dict[str, tuple[np.dtype, int]] = {
     "FloatStorage": (np.dtype("<f4"), tensor_pb2.DATA_TYPE_FP32),
     "DoubleStorage": (np.dtype("<f8"), tensor_pb2.DATA_TYPE_FP64),
@@ -48,7 +63,6 @@ _STORAGES: dict[str, tuple[np.dtype, int]] = {
     "ByteStorage": (np.dtype("u1"), tensor_pb2.DATA_TYPE_UINT8),
     "BoolStorage": (np.dtype("?"), tensor_pb2.DATA_TYPE_BOOL),
 }
-_COMPLEX_STORAGES = {"ComplexFloatStorage", "ComplexDoubleStorage", "ComplexHalfStorage"}
 
 _SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, int]] = {
     "F32": (np.dtype("<f4"), tensor_pb2.DATA_TYPE_FP32),
@@ -63,6 +77,8 @@ _SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, int]] = {
     "BOOL": (np.dtype("?"), tensor_pb2.DATA_TYPE_BOOL),
 }
 
+_DENSE_HINT = "send one plain dense tensor: torch.save(t.detach().cpu().contiguous())"
+
 
 def format_bytes(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
@@ -72,20 +88,28 @@ def _bad(field: str, reason: str, message: str) -> InvalidArgument:
     return InvalidArgument(f"{field}: {message}", field=field, reason=reason)
 
 
-def check_cap(field: str, nbytes: int, max_bytes: int, what: str = "decoded size") -> None:
+def check_cap(field: str, nbytes: int, max_bytes: int, what: str = "decoded size", *,
+              cap_name: str = DEFAULT_CAP_NAME) -> None:
+    """Refuse ``nbytes`` over ``max_bytes`` (TOO_LARGE). Call it before allocating, with sizes from headers."""
     if nbytes > max_bytes:
         raise _bad(field, "TOO_LARGE",
-                   f"{what} {format_bytes(nbytes)} exceeds the {format_bytes(max_bytes)} cap "
-                   f"(EMBEDMESH_MAX_EMBEDS_BYTES); send fewer rows or a smaller dtype")
+                   f"{what} {format_bytes(nbytes)} exceeds the {format_bytes(max_bytes)} cap ({cap_name}); "
+                   f"send fewer rows or a smaller dtype")
 
 
-def decode_tensor_bytes(data: bytes, *, max_bytes: int, field: str) -> tuple[np.ndarray, int]:
+def decode_tensor_bytes(data: bytes, *, max_bytes: int, field: str,
+                        cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
     """Sniff the container (torch.save zip or safetensors) and decode it."""
-    if data[:4] == _ZIP_MAGIC:
-        return decode_torch_save(data, max_bytes=max_bytes, field=field)
-    if len(data) >= 10 and data[8:9] == b"{":
-        return decode_safetensors(data, max_bytes=max_bytes, field=field)
-    if data[:1] == b"\x80":
+    if bytes(data[:4]) == _ZIP_MAGIC:
+        return decode_torch_save(data, max_bytes=max_bytes, field=field, cap_name=cap_name)
+    if len(data) >= 10 and bytes(data[8:9]) == b"{":
+        return decode_safetensors(data, max_bytes=max_bytes, field=field, cap_name=cap_name)
+    _refuse_unknown_container(data, field)
+    raise AssertionError("unreachable")
+
+
+def _refuse_unknown_container(data: bytes, field: str) -> None:
+    if bytes(data[:1]) == b"\x80":  # pickle protocol opcode: legacy torch.save or a bare pickle.dumps
         raise _bad(field, "LEGACY_FORMAT",
                    "this is torch's legacy (non-zip) serialization or a bare pickle; save with torch.save's default "
                    "zip format, or send safetensors")
@@ -94,12 +118,19 @@ def decode_tensor_bytes(data: bytes, *, max_bytes: int, field: str) -> tuple[np.
                "file")
 
 
-# --- torch.save -----------------------------------------------------------------------------------------------
+# --- torch.save: the restricted unpickler -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _StorageType:
+    """Stand-in for ``torch.FloatStorage`` & co.: only ever used as a tag inside a persistent id."""
+
     name: str
+
+
+@dataclass(frozen=True)
+class _TensorType:
+    """Stand-in for ``torch.Tensor`` as the ``new_type`` argument of ``_rebuild_from_type_v2``."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +142,14 @@ class _StorageRef:
 
 @dataclass(frozen=True)
 class _TensorRef:
+    """What the pickle describes; no data has been read yet."""
+
     storage: _StorageRef
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    negated: bool
+    """torch's lazy negation bit (``metadata={"neg": True}``): the storage holds the values' negatives."""
 
 
 class _Refused(Exception):
@@ -124,148 +159,251 @@ class _Refused(Exception):
         self.message = message
 
 
-def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_rest: Any) -> _TensorRef:
-    if not isinstance(storage, _StorageRef):
-        raise _Refused("NOT_A_TENSOR", "tensor rebuilt from something that is not a storage")
-    if not (isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)):
-        raise _Refused("NOT_A_TENSOR", "malformed tensor header")
-    if len(size) != len(stride) or not all(isinstance(d, int) and d >= 0 for d in size + stride) or offset < 0:
-        raise _Refused("NOT_A_TENSOR", "malformed tensor shape or strides")
-    return _TensorRef(storage, offset, size, stride)
+def _is_index(v: Any) -> bool:
+    return type(v) is int and v >= 0
 
 
-def _rebuild_parameter(data: Any, *_rest: Any) -> Any:
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                       backward_hooks: Any = None, metadata: Any = None, *extra: Any) -> _TensorRef:
+    # requires_grad and backward_hooks do not change the values; hooks are never serialized (always empty).
+    if extra or not isinstance(storage, _StorageRef):
+        raise _Refused("NOT_A_TENSOR", "malformed tensor record in the pickle")
+    if not (_is_index(offset) and isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
+            and all(_is_index(d) for d in size + stride)):
+        raise _Refused("NOT_A_TENSOR", "malformed tensor shape, strides or storage offset in the pickle")
+    negated = False
+    if metadata:
+        # torch writes only lazy conj/neg bits here; conj of a real tensor is the identity.
+        if not isinstance(metadata, dict) or not set(metadata) <= {"neg", "conj"}:
+            raise _Refused("NOT_A_TENSOR", f"unknown tensor metadata {sorted(map(str, metadata))}; {_DENSE_HINT}")
+        negated = metadata.get("neg") is True
+    return _TensorRef(storage, offset, size, stride, negated)
+
+
+def _rebuild_parameter(data: Any, *_rest: Any) -> _TensorRef:
+    # nn.Parameter(data, requires_grad, hooks[, python state]): the values are data's.
+    if not isinstance(data, _TensorRef):
+        raise _Refused("NOT_A_TENSOR", "malformed nn.Parameter record in the pickle")
     return data
 
 
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, _state: Any) -> _TensorRef:
+    # A torch.Tensor carrying Python attributes (t.foo = 1) is saved this way; the attributes are dropped.
+    if func is not _rebuild_tensor_v2 or not isinstance(new_type, _TensorType) or not isinstance(args, tuple):
+        raise _Refused("NOT_A_TENSOR", f"tensor subclasses are not accepted; {_DENSE_HINT}")
+    return _rebuild_tensor_v2(*args)
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch", "Tensor"): _TensorType(),
+    ("torch._tensor", "Tensor"): _TensorType(),
+    ("collections", "OrderedDict"): OrderedDict,  # the empty backward_hooks argument
+    **{("torch", name): _StorageType(name) for name in _STORAGES},
+}
+
+# Globals of tensors that are real but not plain dense ones: refused with a reason that says what to send instead.
+_KNOWN_REFUSALS: dict[tuple[str, str], tuple[str, str]] = {
+    ("torch._utils", "_rebuild_sparse_tensor"): (
+        "SPARSE_TENSOR", "sparse tensors are not accepted; send a dense tensor (t.to_dense())"),
+    ("torch._utils", "_rebuild_sparse_csr_tensor"): (
+        "SPARSE_TENSOR", "sparse tensors are not accepted; send a dense tensor (t.to_dense())"),
+    ("torch._utils", "_rebuild_tensor_v3"): (
+        "UNSUPPORTED_DTYPE", "float8, uint16/32/64 and complex32 tensors are not accepted; send float32, float16, "
+        "bfloat16 or float64"),
+    ("torch._utils", "_rebuild_qtensor"): (
+        "UNSUPPORTED_DTYPE", "quantized tensors are not accepted; send t.dequantize()"),
+    ("torch._utils", "_rebuild_meta_tensor_no_storage"): (
+        "NOT_A_TENSOR", "a meta tensor has no values; send a tensor with data"),
+    ("torch._utils", "_rebuild_nested_tensor"): ("NOT_A_TENSOR", f"nested tensors are not accepted; {_DENSE_HINT}"),
+    ("torch._utils", "_rebuild_wrapper_subclass"): (
+        "NOT_A_TENSOR", f"tensor subclasses are not accepted; {_DENSE_HINT}"),
+}
+
+
 class _SafeUnpickler(pickle.Unpickler):
-    """Resolves only the globals of a plain dense tensor; everything else is refused before lookup."""
+    """Resolves only the globals of a plain dense tensor, to local stand-ins; everything else is refused unlooked."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor_v2
-        if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
-            return _rebuild_parameter
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        if module == "torch" and name in _STORAGES:
-            return _StorageType(name)
-        if module == "torch" and name in _COMPLEX_STORAGES:
-            raise _Refused("UNSUPPORTED_DTYPE", "complex tensors are not prompt embeddings")
-        if "sparse" in name or name in ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"):
-            raise _Refused("SPARSE_TENSOR", "sparse tensors are not accepted; send a dense tensor (.to_dense())")
+        allowed = _ALLOWED.get((module, name))
+        if allowed is not None:
+            return allowed
+        known = _KNOWN_REFUSALS.get((module, name))
+        if known is not None:
+            raise _Refused(*known)
+        if module == "torch" and name.endswith("Storage"):  # ComplexFloatStorage, QInt8Storage, ...
+            raise _Refused("UNSUPPORTED_DTYPE",
+                           f"{name[:-len('Storage')] or 'untyped'} tensors are not accepted; send float32, float16, "
+                           f"bfloat16 or float64")
         raise _Refused("UNSAFE_PICKLE",
                        f"the pickle references {module}.{name}, which a plain tensor never needs; refused unexecuted")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        # torch.save writes ("storage", storage class, key, location, numel in elements) for typed storages.
         if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
                 or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str)
-                or not isinstance(pid[4], int) or pid[4] < 0):
+                or not isinstance(pid[3], str) or not _is_index(pid[4])):
             raise _Refused("NOT_A_TENSOR", "unexpected persistent reference in the pickle")
         return _StorageRef(pid[1].name, pid[2], pid[4])
 
 
-def decode_torch_save(data: bytes, *, max_bytes: int, field: str) -> tuple[np.ndarray, int]:
+# --- torch.save: the archive ------------------------------------------------------------------------------------
+
+
+_ZIP_READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
+                    NotImplementedError, KeyError)
+"""What zipfile raises on truncated, corrupted, encrypted or oddly compressed input (zlib.error is an OSError? no:
+it subclasses Exception, so reads also catch Exception where a message suffices)."""
+
+
+def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
+                      cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
     """Decode the bytes of ``torch.save(tensor)``; see the module docstring for the safety rules."""
+    if bytes(data[:4]) != _ZIP_MAGIC:
+        _refuse_unknown_container(data, field)
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
-        names = archive.namelist()
-    except (zipfile.BadZipFile, ValueError, EOFError) as e:
-        raise _bad(field, "NOT_A_TENSOR", f"not a readable torch.save archive ({e})") from None
-    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    except Exception as e:  # noqa: BLE001 - any unreadable archive is the client's
+        raise _bad(field, "NOT_A_TENSOR", f"not a readable torch.save archive ({type(e).__name__})") from None
+    names = archive.namelist()
+    pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
     if len(pkl) != 1:
-        raise _bad(field, "NOT_A_TENSOR", "zip archive without a torch data.pkl: not a torch.save file")
+        raise _bad(field, "NOT_A_TENSOR", "zip archive without exactly one data.pkl: not a torch.save file")
     prefix = pkl[0][: -len("data.pkl")]
-    info = archive.getinfo(pkl[0])
-    if info.file_size > _MAX_PICKLE_BYTES:
+    if archive.getinfo(pkl[0]).file_size > _MAX_PICKLE_BYTES:
         raise _bad(field, "NOT_A_TENSOR", "the archive's pickle is far larger than a single tensor's")
     try:
         obj = _SafeUnpickler(io.BytesIO(archive.read(pkl[0]))).load()
     except _Refused as e:
         raise _bad(field, e.reason, e.message) from None
-    except Exception as e:  # noqa: BLE001 - any malformed pickle is a client error
+    except Exception as e:  # noqa: BLE001 - any malformed pickle or archive is a client error
         raise _bad(field, "NOT_A_TENSOR", f"unreadable pickle in the archive ({type(e).__name__})") from None
     if not isinstance(obj, _TensorRef):
-        raise _bad(field, "NOT_A_TENSOR",
-                   f"the file holds a {type(obj).__name__}, not one tensor; torch.save a single tensor")
+        kind = "tensor-shaped object" if isinstance(obj, (_StorageRef, _StorageType)) else type(obj).__name__
+        raise _bad(field, "NOT_A_TENSOR", f"the file holds a {kind}, not one tensor; torch.save a single tensor")
+
     np_dtype, dtype = _STORAGES[obj.storage.name]
     count = 1
     for d in obj.size:
         count *= d
-    check_cap(field, count * np_dtype.itemsize, max_bytes)
+    # Both sizes come from the pickle alone: nothing proportional to them has been allocated yet.
+    check_cap(field, count * np_dtype.itemsize, max_bytes, cap_name=cap_name)
     storage_bytes = obj.storage.numel * np_dtype.itemsize
-    check_cap(field, storage_bytes, max(max_bytes, 1), "storage size")
+    check_cap(field, storage_bytes, max_bytes, "storage size", cap_name=cap_name)
     if count:
         last = obj.offset + sum((d - 1) * s for d, s in zip(obj.size, obj.stride, strict=True))
         if last >= obj.storage.numel:
-            raise _bad(field, "NOT_A_TENSOR", "tensor view reaches past the end of its storage")
-    entry = f"{prefix}data/{obj.storage.key}"
+            raise _bad(field, "NOT_A_TENSOR",
+                       f"shape {list(obj.size)} with strides {list(obj.stride)} at offset {obj.offset} reaches "
+                       f"element {last}, past the storage's {obj.storage.numel}")
+    storage = _read_storage(archive, data, f"{prefix}data/{obj.storage.key}", storage_bytes, field)
+    flat = np.frombuffer(storage, dtype=np_dtype, count=obj.storage.numel)
+    if count == 0:
+        out = np.zeros(obj.size, dtype=np_dtype)
+    else:
+        view = np.lib.stride_tricks.as_strided(
+            flat[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in obj.stride),
+            writeable=False,
+        )
+        out = np.array(view, order="C", copy=True)  # the one dense copy; frees us from the request's bytes
+    if _byteorder(archive, prefix, field) == "big":
+        out.byteswap(inplace=True)
+    if obj.negated:
+        _negate(out, dtype, field)
+    return out, dtype
+
+
+def _read_storage(archive: zipfile.ZipFile, data: bytes, name: str, nbytes: int, field: str) -> memoryview | bytes:
+    """The storage's bytes, exactly ``nbytes`` of them; a zero-copy view when the entry is stored uncompressed."""
     try:
-        entry_info = archive.getinfo(entry)
+        info = archive.getinfo(name)
     except KeyError:
         raise _bad(field, "NOT_A_TENSOR", "storage entry missing from the archive (truncated file?)") from None
-    if entry_info.file_size < storage_bytes:
+    # torch writes exactly nbytes per storage; insisting on it also bounds what a compressed entry can inflate to.
+    if info.file_size != nbytes:
         raise _bad(field, "NOT_A_TENSOR",
-                   f"storage holds {entry_info.file_size} bytes but the header needs {storage_bytes} (truncated?)")
+                   f"storage holds {info.file_size} bytes but the tensor header needs {nbytes} (truncated file?)")
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = info.header_offset
+        local = bytes(data[start:start + 30])
+        if len(local) == 30 and local[:4] == _ZIP_MAGIC:
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            begin = start + 30 + name_len + extra_len
+            if begin + nbytes <= len(data):
+                return memoryview(data)[begin:begin + nbytes]
+        raise _bad(field, "NOT_A_TENSOR", "storage entry runs past the end of the file (truncated file?)")
     try:
-        raw = archive.read(entry)
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
-        raise _bad(field, "NOT_A_TENSOR", f"storage unreadable ({e}); truncated or corrupted file") from None
-    byteorder = b"little"
-    if f"{prefix}byteorder" in names:
-        byteorder = archive.read(f"{prefix}byteorder").strip()
-    storage = np.frombuffer(raw, dtype=np_dtype, count=obj.storage.numel)
-    if byteorder == b"big":
-        storage = storage.byteswap()
-    if count == 0:
-        return np.zeros(obj.size, dtype=np_dtype), dtype
-    view = np.lib.stride_tricks.as_strided(
-        storage[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in obj.stride),
-        writeable=False,
-    )
-    return np.ascontiguousarray(view), dtype
+        return archive.read(name)
+    except Exception as e:  # noqa: BLE001 - zlib.error, BadZipFile (CRC), EOFError...: the client's file is broken
+        raise _bad(field, "NOT_A_TENSOR", f"storage unreadable ({type(e).__name__}); truncated or corrupted file") \
+            from None
 
 
-# --- safetensors ----------------------------------------------------------------------------------------------
+def _byteorder(archive: zipfile.ZipFile, prefix: str, field: str) -> str:
+    try:
+        raw = archive.read(f"{prefix}byteorder")
+    except KeyError:
+        return "little"  # archives from before torch recorded it were all little-endian
+    except Exception:  # noqa: BLE001
+        raw = b"?"
+    order = raw.strip().decode("ascii", "replace")
+    if order not in ("little", "big"):
+        raise _bad(field, "NOT_A_TENSOR", f"unknown byteorder record {order[:16]!r} in the archive")
+    return order
 
 
-def decode_safetensors(data: bytes, *, max_bytes: int, field: str) -> tuple[np.ndarray, int]:
+def _negate(out: np.ndarray, dtype: int, field: str) -> None:
+    if dtype == tensor_pb2.DATA_TYPE_BF16:
+        out ^= np.uint16(0x8000)  # flip the sign bit, as negation of a bf16 does
+    elif dtype == tensor_pb2.DATA_TYPE_BOOL:
+        raise _bad(field, "NOT_A_TENSOR", "a bool tensor cannot carry a negation bit")
+    else:
+        np.negative(out, out=out)
+
+
+# --- safetensors ------------------------------------------------------------------------------------------------
+
+
+def decode_safetensors(data: bytes, *, max_bytes: int, field: str,
+                       cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
     """Decode a safetensors file holding exactly one tensor."""
     if len(data) < 8:
         raise _bad(field, "NOT_A_TENSOR", "safetensors file shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > min(len(data) - 8, 100 << 20):
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > len(data) - 8 or n > _MAX_SAFETENSORS_HEADER:
         raise _bad(field, "NOT_A_TENSOR", "safetensors header length runs past the end of the file")
     try:
-        header = json.loads(data[8:8 + n])
-    except ValueError:
+        header = json.loads(bytes(data[8:8 + n]))
+    except (ValueError, RecursionError):
         raise _bad(field, "NOT_A_TENSOR", "safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise _bad(field, "NOT_A_TENSOR", "safetensors header is not a JSON object")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    if len(tensors) != 1:
-        raise _bad(field, "NOT_A_TENSOR", f"safetensors file holds {len(tensors)} tensors; send exactly one")
-    (meta,) = tensors.values()
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    if len(entries) != 1:
+        raise _bad(field, "NOT_A_TENSOR", f"safetensors file holds {len(entries)} tensors; send exactly one")
+    (meta,) = entries.values()
     if not isinstance(meta, dict):
         raise _bad(field, "NOT_A_TENSOR", "safetensors tensor entry is not an object")
-    kind = meta.get("dtype")
-    shape = meta.get("shape")
-    offsets = meta.get("data_offsets")
+    kind, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
     if kind not in _SAFETENSORS_DTYPES:
-        raise _bad(field, "UNSUPPORTED_DTYPE", f"safetensors dtype {kind!r} is not supported")
-    if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-            or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets)):
+        raise _bad(field, "UNSUPPORTED_DTYPE", f"safetensors dtype {str(kind)[:16]!r} is not supported; send F32, "
+                                               f"F16, BF16 or F64")
+    if (not isinstance(shape, list) or not all(_is_index(d) for d in shape)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets)):
         raise _bad(field, "NOT_A_TENSOR", "safetensors shape or data_offsets malformed")
     np_dtype, dtype = _SAFETENSORS_DTYPES[kind]
     count = 1
     for d in shape:
         count *= d
-    check_cap(field, count * np_dtype.itemsize, max_bytes)
+    nbytes = count * np_dtype.itemsize
+    check_cap(field, nbytes, max_bytes, cap_name=cap_name)
     begin, end = offsets
-    body = len(data) - 8 - n
-    if end < begin or end > body or end - begin != count * np_dtype.itemsize:
-        raise _bad(field, "NOT_A_TENSOR", "safetensors data_offsets do not match the shape and the file size")
-    start = 8 + n + begin
-    arr = np.frombuffer(data, dtype=np_dtype, count=count, offset=start).reshape(shape)
+    if end - begin != nbytes or end > len(data) - 8 - n:
+        raise _bad(field, "NOT_A_TENSOR",
+                   f"safetensors data_offsets [{begin}, {end}] do not match shape {shape} of {kind} and the "
+                   f"{len(data) - 8 - n}-byte body")
+    arr = np.frombuffer(data, dtype=np_dtype, count=count, offset=8 + n + begin).reshape(shape)
     return arr.copy(), dtype

