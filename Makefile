@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps clean
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client clean
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -43,7 +43,13 @@ $(BUF):
 lint-proto: $(BUF)
 	cd protos && $(BUF) lint
 
-test: venv model sysdeps lint-proto
+# The TypeScript client, built from the same protos (npm registry packages, pinned by package-lock.json).
+ts-client: clients/typescript/dist/complete.js
+
+clients/typescript/dist/complete.js: clients/typescript/package.json clients/typescript/src/*.ts
+	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
+
+test: venv model sysdeps lint-proto ts-client
 	$(PY) -m pytest tests
 
 test-unit: venv model
