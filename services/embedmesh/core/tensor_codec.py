@@ -31,7 +31,7 @@ import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -105,10 +105,9 @@ def decode_tensor_bytes(data: bytes, *, max_bytes: int, field: str,
     if len(data) >= 10 and bytes(data[8:9]) == b"{":
         return decode_safetensors(data, max_bytes=max_bytes, field=field, cap_name=cap_name)
     _refuse_unknown_container(data, field)
-    raise AssertionError("unreachable")
 
 
-def _refuse_unknown_container(data: bytes, field: str) -> None:
+def _refuse_unknown_container(data: bytes, field: str) -> NoReturn:
     if bytes(data[:1]) == b"\x80":  # pickle protocol opcode: legacy torch.save or a bare pickle.dumps
         raise _bad(field, "LEGACY_FORMAT",
                    "this is torch's legacy (non-zip) serialization or a bare pickle; save with torch.save's default "
@@ -253,12 +252,6 @@ class _SafeUnpickler(pickle.Unpickler):
 # --- torch.save: the archive ------------------------------------------------------------------------------------
 
 
-_ZIP_READ_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, RuntimeError,
-                    NotImplementedError, KeyError)
-"""What zipfile raises on truncated, corrupted, encrypted or oddly compressed input (zlib.error is an OSError? no:
-it subclasses Exception, so reads also catch Exception where a message suffices)."""
-
-
 def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
                       cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
     """Decode the bytes of ``torch.save(tensor)``; see the module docstring for the safety rules."""
@@ -317,7 +310,11 @@ def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
 
 
 def _read_storage(archive: zipfile.ZipFile, data: bytes, name: str, nbytes: int, field: str) -> memoryview | bytes:
-    """The storage's bytes, exactly ``nbytes`` of them; a zero-copy view when the entry is stored uncompressed."""
+    """The storage's bytes, exactly ``nbytes`` of them.
+
+    torch.save stores entries uncompressed; those are viewed in place (no copy, and no CRC check: a flipped bit
+    only changes values, which the validator still checks for NaN/Inf). Compressed entries go through zipfile.
+    """
     try:
         info = archive.getinfo(name)
     except KeyError:

@@ -5,8 +5,8 @@ Rules, each an InvalidArgument naming the field and the rule (reason in parenthe
 - ``hidden`` equals the model's hidden size (HIDDEN_SIZE_MISMATCH)
 - floating dtype only; integers, bool and complex are refused by name (UNSUPPORTED_DTYPE)
 - N >= 1 (EMPTY_EMBEDS) and N + max_tokens <= the model's context (CONTEXT_OVERFLOW)
-- no NaN or Inf, checked after the cast to the model dtype too, so a float64 1e300 that overflows is caught
-  (NON_FINITE)
+- no NaN or Inf, checked on the values cast to the model dtype, so a float64 1e300 that overflows float32 is
+  caught too (NON_FINITE); casts round as torch's ``.to(dtype)`` does, bf16 included
 - decoded size at most the configured cap (TOO_LARGE, checked before allocation by the codec)
 """
 
@@ -34,20 +34,27 @@ class ModelSpec:
     """DataType the model computes in (FP32, FP16 or BF16)."""
 
 
-def _to_f32(arr: np.ndarray, dtype: int) -> np.ndarray:
+def _all_finite(arr: np.ndarray, dtype: int) -> bool:
     if dtype == tensor_pb2.DATA_TYPE_BF16:
-        return tensors.bf16_to_f32(arr)
-    return arr
+        return bool(((arr & 0x7F80) != 0x7F80).all())  # exponent all ones: Inf or NaN
+    return bool(np.isfinite(arr).all())
 
 
 def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str, max_tokens: int) -> np.ndarray:
-    """Check every rule and return a C-contiguous ``(N, hidden)`` array in the model dtype (bf16 as uint16 bits)."""
+    """Check every rule and return a C-contiguous ``(N, hidden)`` array in the model dtype (bf16 as uint16 bits).
+
+    ``arr`` is what ``tensor_codec`` or ``tensors.to_numpy`` produced for ``dtype``; shape and dtype rules come
+    first because they are cheap, the value scan last. The result may share memory with ``arr`` when no cast or
+    copy is needed.
+    """
     name = tensors.DTYPE_NAMES.get(dtype, f"type {dtype}")
     if not tensors.is_float(dtype):
         raise InvalidArgument(
             f"{field}: dtype {name} is not accepted; send float32, float16, bfloat16 or float64 embeddings",
             field=field, reason="UNSUPPORTED_DTYPE",
         )
+    if arr.dtype != tensors.numpy_dtype(dtype):
+        raise ValueError(f"array of {arr.dtype} passed as {name}")  # a caller bug, not the client's
     if arr.ndim == 3:
         if arr.shape[0] != 1:
             raise InvalidArgument(
@@ -77,33 +84,29 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
             f"{spec.max_context_tokens} positions",
             field=field, reason="CONTEXT_OVERFLOW",
         )
-    values = _to_f32(arr, dtype)
-    if not np.isfinite(values).all():
-        raise InvalidArgument(f"{field}: the tensor contains NaN or Inf values", field=field, reason="NON_FINITE")
-    out = _cast(arr, dtype, values, spec.dtype)
-    if out is not arr and spec.dtype != dtype:
-        check = _to_f32(out, spec.dtype)
-        if not np.isfinite(check).all():
+    out = _cast(arr, dtype, spec.dtype)
+    # NaN and Inf survive every cast, and overflow (float64 1e300 -> float32) turns into Inf: one scan of the
+    # output covers both. The input is scanned again only to word the error.
+    if not _all_finite(out, spec.dtype):
+        if spec.dtype != dtype and _all_finite(arr, dtype):
             raise InvalidArgument(
-                f"{field}: values overflow the model dtype {tensors.DTYPE_NAMES[spec.dtype]} (NaN or Inf after "
-                f"the cast)",
+                f"{field}: values overflow the model dtype {tensors.DTYPE_NAMES[spec.dtype]} (Inf after the cast "
+                f"from {name})",
                 field=field, reason="NON_FINITE",
             )
+        raise InvalidArgument(f"{field}: the tensor contains NaN or Inf values", field=field, reason="NON_FINITE")
     return np.ascontiguousarray(out)
 
 
-def _cast(arr: np.ndarray, dtype: int, values: np.ndarray, target: int) -> np.ndarray:
+def _cast(arr: np.ndarray, dtype: int, target: int) -> np.ndarray:
+    """Round to the model dtype as torch's ``.to(dtype)`` does (bf16 via float32 with round-to-nearest-even)."""
     if dtype == target:
         return arr
-    if target == tensor_pb2.DATA_TYPE_BF16:
-        return tensors.f32_to_bf16(values.astype(np.float32))
-    if target == tensor_pb2.DATA_TYPE_FP16:
-        with np.errstate(over="ignore"):
-            return values.astype(np.float16)
-    if target == tensor_pb2.DATA_TYPE_FP32:
-        with np.errstate(over="ignore"):
-            return values.astype(np.float32)
-    return values.astype(np.float64)
+    values = tensors.bf16_to_f32(arr) if dtype == tensor_pb2.DATA_TYPE_BF16 else arr
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes Inf, reported by the caller
+        if target == tensor_pb2.DATA_TYPE_BF16:
+            return tensors.f32_to_bf16(values.astype(np.float32))
+        return values.astype(tensors.numpy_dtype(target))
 
 
 def decode_prompt_embeds(

@@ -3,9 +3,13 @@ the rule, and the casts that good tensors go through (checked against torch's ow
 
 from __future__ import annotations
 
+import io
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensors import bf16_to_f32, f32_to_bf16
@@ -13,7 +17,11 @@ from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embe
 from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812 - T.DATA_TYPE_* reads well in tables
 
 FP32 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_FP32)
+FP16 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_FP16)
 BF16 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_BF16)
+SPECS = {T.DATA_TYPE_FP32: FP32, T.DATA_TYPE_FP16: FP16, T.DATA_TYPE_BF16: BF16}
+TORCH = {T.DATA_TYPE_FP32: torch.float32, T.DATA_TYPE_FP16: torch.float16, T.DATA_TYPE_BF16: torch.bfloat16,
+         T.DATA_TYPE_FP64: torch.float64}
 
 
 def good(rows: int = 3, dtype: str = "<f4") -> np.ndarray:
@@ -26,62 +34,152 @@ def with_value(v: float, dtype: str = "<f4") -> np.ndarray:
     return a
 
 
+def bf16(a: np.ndarray) -> np.ndarray:
+    return f32_to_bf16(a.astype(np.float32))
+
+
+def as_numpy(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """A torch tensor as the codec would hand it over: (array, DataType), bf16 as bits."""
+    dtype = {v: k for k, v in TORCH.items()}[t.dtype]
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16), dtype
+    return t.numpy(), dtype
+
+
+def model_values(out: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    return bf16_to_f32(out) if spec.dtype == T.DATA_TYPE_BF16 else out
+
+
 BAD = [
-    ("1-D", good()[0], T.DATA_TYPE_FP32, "BAD_RANK"),
-    ("4-D", good()[None, None], T.DATA_TYPE_FP32, "BAD_RANK"),
-    ("batch of two", np.stack([good(), good()]), T.DATA_TYPE_FP32, "BATCH_NOT_ONE"),
-    ("wrong hidden", np.zeros((3, 9), np.float32), T.DATA_TYPE_FP32, "HIDDEN_SIZE_MISMATCH"),
-    ("int32", np.zeros((3, 8), np.int32), T.DATA_TYPE_INT32, "UNSUPPORTED_DTYPE"),
-    ("int64", np.zeros((3, 8), np.int64), T.DATA_TYPE_INT64, "UNSUPPORTED_DTYPE"),
-    ("bool", np.zeros((3, 8), bool), T.DATA_TYPE_BOOL, "UNSUPPORTED_DTYPE"),
-    ("NaN", with_value(float("nan")), T.DATA_TYPE_FP32, "NON_FINITE"),
-    ("+Inf", with_value(float("inf")), T.DATA_TYPE_FP32, "NON_FINITE"),
-    ("-Inf", with_value(float("-inf")), T.DATA_TYPE_FP32, "NON_FINITE"),
-    ("float64 overflowing float32", with_value(1e300, "<f8"), T.DATA_TYPE_FP64, "NON_FINITE"),
-    ("zero rows", np.zeros((0, 8), np.float32), T.DATA_TYPE_FP32, "EMPTY_EMBEDS"),
-    ("rows + max_tokens over context", good(30), T.DATA_TYPE_FP32, "CONTEXT_OVERFLOW"),
+    ("1-D", good()[0], T.DATA_TYPE_FP32, FP32, "BAD_RANK"),
+    ("4-D", good()[None, None], T.DATA_TYPE_FP32, FP32, "BAD_RANK"),
+    ("0-D", np.float32(1.0).reshape(()), T.DATA_TYPE_FP32, FP32, "BAD_RANK"),
+    ("batch of two", np.stack([good(), good()]), T.DATA_TYPE_FP32, FP32, "BATCH_NOT_ONE"),
+    ("empty batch", np.zeros((0, 3, 8), np.float32), T.DATA_TYPE_FP32, FP32, "BATCH_NOT_ONE"),
+    ("wrong hidden", np.zeros((3, 9), np.float32), T.DATA_TYPE_FP32, FP32, "HIDDEN_SIZE_MISMATCH"),
+    ("transposed (hidden, N)", good().T, T.DATA_TYPE_FP32, FP32, "HIDDEN_SIZE_MISMATCH"),
+    ("int32", np.zeros((3, 8), np.int32), T.DATA_TYPE_INT32, FP32, "UNSUPPORTED_DTYPE"),
+    ("int64", np.zeros((3, 8), np.int64), T.DATA_TYPE_INT64, FP32, "UNSUPPORTED_DTYPE"),
+    ("uint8", np.zeros((3, 8), np.uint8), T.DATA_TYPE_UINT8, FP32, "UNSUPPORTED_DTYPE"),
+    ("bool", np.zeros((3, 8), bool), T.DATA_TYPE_BOOL, FP32, "UNSUPPORTED_DTYPE"),
+    ("NaN", with_value(float("nan")), T.DATA_TYPE_FP32, FP32, "NON_FINITE"),
+    ("+Inf", with_value(float("inf")), T.DATA_TYPE_FP32, FP32, "NON_FINITE"),
+    ("-Inf", with_value(float("-inf")), T.DATA_TYPE_FP32, FP32, "NON_FINITE"),
+    ("NaN in float16", with_value(float("nan"), "<f2"), T.DATA_TYPE_FP16, FP32, "NON_FINITE"),
+    ("NaN in bf16", bf16(with_value(float("nan"))), T.DATA_TYPE_BF16, FP32, "NON_FINITE"),
+    ("Inf in bf16 for a bf16 model", bf16(with_value(float("inf"))), T.DATA_TYPE_BF16, BF16, "NON_FINITE"),
+    ("NaN in float64 for a bf16 model", with_value(float("nan"), "<f8"), T.DATA_TYPE_FP64, BF16, "NON_FINITE"),
+    ("float64 overflowing float32", with_value(1e300, "<f8"), T.DATA_TYPE_FP64, FP32, "NON_FINITE"),
+    ("float64 overflowing bfloat16", with_value(-1e39, "<f8"), T.DATA_TYPE_FP64, BF16, "NON_FINITE"),
+    ("float32 overflowing float16", with_value(1e5), T.DATA_TYPE_FP32, FP16, "NON_FINITE"),
+    ("bf16 overflowing float16", bf16(with_value(7e4)), T.DATA_TYPE_BF16, FP16, "NON_FINITE"),
+    ("zero rows", np.zeros((0, 8), np.float32), T.DATA_TYPE_FP32, FP32, "EMPTY_EMBEDS"),
+    ("zero rows in (1, 0, H)", np.zeros((1, 0, 8), np.float32), T.DATA_TYPE_FP32, FP32, "EMPTY_EMBEDS"),
+    ("rows + max_tokens over context", good(30), T.DATA_TYPE_FP32, FP32, "CONTEXT_OVERFLOW"),
+    ("rows alone over context", good(33), T.DATA_TYPE_FP32, FP32, "CONTEXT_OVERFLOW"),
 ]
 
 
-@pytest.mark.parametrize("name,arr,dtype,reason", BAD, ids=[b[0] for b in BAD])
-def test_rule_violations_name_field_and_rule(name: str, arr: np.ndarray, dtype: int, reason: str) -> None:
+@pytest.mark.parametrize("name,arr,dtype,spec,reason", BAD, ids=[b[0] for b in BAD])
+def test_rule_violations_name_field_and_rule(name: str, arr: np.ndarray, dtype: int, spec: ModelSpec,
+                                             reason: str) -> None:
     with pytest.raises(InvalidArgument) as info:
-        validate_embeds(arr, dtype, FP32, field="prompt_embeds[1]", max_tokens=4)
+        validate_embeds(arr, dtype, spec, field="prompt_embeds[1]", max_tokens=4)
     assert info.value.field == "prompt_embeds[1]"
-    assert info.value.reason == reason
+    assert info.value.reason == reason, info.value.message
     assert info.value.message.startswith("prompt_embeds[1]: ")
 
 
-def test_context_message_gives_the_numbers() -> None:
-    with pytest.raises(InvalidArgument) as info:
-        validate_embeds(good(30), T.DATA_TYPE_FP32, FP32, field="prompt_embeds", max_tokens=4)
-    assert "30" in info.value.message and "32" in info.value.message
+def test_messages_say_what_is_wrong() -> None:
+    def message(arr: np.ndarray, dtype: int, spec: ModelSpec = FP32, max_tokens: int = 4) -> str:
+        with pytest.raises(InvalidArgument) as info:
+            validate_embeds(arr, dtype, spec, field="prompt_embeds", max_tokens=max_tokens)
+        return info.value.message
+
+    assert "30 rows + max_tokens 4 exceed the model's context of 32" in message(good(30), T.DATA_TYPE_FP32)
+    assert "hidden size 9 does not match the model's hidden size 8" in message(
+        np.zeros((3, 9), np.float32), T.DATA_TYPE_FP32)
+    assert "dtype int64 is not accepted" in message(np.zeros((3, 8), np.int64), T.DATA_TYPE_INT64)
+    assert "overflow the model dtype float32" in message(with_value(1e300, "<f8"), T.DATA_TYPE_FP64)
+    assert "NaN or Inf" in message(with_value(float("nan")), T.DATA_TYPE_FP32)
+    assert "[2, 3, 8]" in message(np.stack([good(), good()]), T.DATA_TYPE_FP32)
 
 
-@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float64, torch.float32])
-def test_float_inputs_are_cast_like_torch(src: torch.dtype) -> None:
-    t = torch.randn(3, 8, dtype=torch.float64).to(src)
-    if src == torch.bfloat16:
-        arr, dtype = f32_to_bf16(t.float().numpy()), T.DATA_TYPE_BF16
-    else:
-        arr = t.numpy()
-        dtype = {torch.float16: T.DATA_TYPE_FP16, torch.float64: T.DATA_TYPE_FP64,
-                 torch.float32: T.DATA_TYPE_FP32}[src]
-    out32 = validate_embeds(arr, dtype, FP32, field="f", max_tokens=1)
-    assert out32.dtype == np.float32 and out32.flags.c_contiguous
-    assert np.array_equal(out32, t.to(torch.float32).numpy())
-    out16 = validate_embeds(arr, dtype, BF16, field="f", max_tokens=1)
-    assert out16.dtype == np.uint16
-    assert np.array_equal(bf16_to_f32(out16), t.to(torch.bfloat16).float().numpy())
+def test_rows_exactly_filling_the_context_pass() -> None:
+    out = validate_embeds(good(28), T.DATA_TYPE_FP32, FP32, field="f", max_tokens=4)
+    assert out.shape == (28, 8)
 
 
-def test_three_d_is_squeezed() -> None:
+@pytest.mark.parametrize("target", list(SPECS), ids=["fp32 model", "fp16 model", "bf16 model"])
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float64, torch.float32], ids=str)
+def test_float_inputs_are_cast_like_torch(src: torch.dtype, target: int) -> None:
+    t = (torch.randn(5, 8, dtype=torch.float64) * 100).to(src)
+    arr, dtype = as_numpy(t)
+    spec = SPECS[target]
+    out = validate_embeds(arr, dtype, spec, field="f", max_tokens=1)
+    assert out.shape == (5, 8) and out.flags.c_contiguous
+    expected, _ = as_numpy(t.to(TORCH[target]))
+    assert out.dtype == expected.dtype
+    assert np.array_equal(out, expected)  # bit-exact, bf16 rounding included
+
+
+def test_three_d_is_squeezed_and_strided_input_made_contiguous() -> None:
     out = validate_embeds(good()[None], T.DATA_TYPE_FP32, FP32, field="f", max_tokens=1)
     assert out.shape == (3, 8)
+    strided = np.asfortranarray(good(5))[::2]
+    out = validate_embeds(strided, T.DATA_TYPE_FP32, FP32, field="f", max_tokens=1)
+    assert out.flags.c_contiguous and np.array_equal(out, strided)
 
 
-def test_raw_array_over_cap_is_refused_before_validation() -> None:
+def test_array_not_matching_its_dtype_is_a_caller_bug() -> None:
+    with pytest.raises(ValueError):
+        validate_embeds(good(dtype="<f8"), T.DATA_TYPE_FP32, FP32, field="f", max_tokens=1)
+
+
+# --- decode_prompt_embeds ----------------------------------------------------------------------------------------
+
+
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("encode", [_saved, lambda t: st_save({"embeds": t})], ids=["torch.save", "safetensors"])
+def test_decode_prompt_embeds_from_bytes(encode: Callable[[torch.Tensor], bytes]) -> None:
+    t = torch.randn(1, 4, 8).to(torch.bfloat16)
+    out = decode_prompt_embeds(encoded=encode(t), spec=FP32, field="prompt_embeds", max_tokens=1,
+                               max_bytes=1 << 20)
+    assert np.array_equal(out, t[0].float().numpy())
+
+
+def test_decode_prompt_embeds_from_raw_array() -> None:
+    arr = bf16(good())
+    out = decode_prompt_embeds(array=arr, dtype=T.DATA_TYPE_BF16, spec=BF16, field="prompt_embeds", max_tokens=1,
+                               max_bytes=1 << 20)
+    assert np.array_equal(out, arr)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(array=good(), dtype=T.DATA_TYPE_FP32, max_bytes=64), "TOO_LARGE"),
+    (dict(encoded=_saved(torch.zeros(3, 8)), max_bytes=64), "TOO_LARGE"),
+    (dict(encoded=_saved(torch.zeros(3, 8, dtype=torch.int64)), max_bytes=1 << 20), "UNSUPPORTED_DTYPE"),
+    (dict(encoded=_saved(torch.full((3, 8), float("nan"))), max_bytes=1 << 20), "NON_FINITE"),
+    (dict(encoded=_saved(torch.zeros(3, 9)), max_bytes=1 << 20), "HIDDEN_SIZE_MISMATCH"),
+    (dict(encoded=b"garbage", max_bytes=1 << 20), "NOT_A_TENSOR"),
+    (dict(max_bytes=1 << 20), "REQUIRED"),
+], ids=["raw over cap", "encoded over cap", "encoded int64", "encoded NaN", "encoded wrong hidden", "garbage",
+        "nothing given"])
+def test_decode_prompt_embeds_refusals(kwargs: dict, reason: str) -> None:
     with pytest.raises(InvalidArgument) as info:
-        decode_prompt_embeds(array=good(), dtype=T.DATA_TYPE_FP32, spec=FP32, field="prompt_embeds", max_tokens=1,
-                             max_bytes=64)
-    assert info.value.reason == "TOO_LARGE"
+        decode_prompt_embeds(spec=FP32, field="prompt_embeds", max_tokens=1, **kwargs)
+    assert info.value.reason == reason and info.value.field == "prompt_embeds"
+
+
+def test_float64_to_bf16_rounds_through_float32_like_torch() -> None:
+    # Just above a bf16 tie: a direct round would go up, but torch rounds to float32 first (landing exactly on the
+    # tie) and then to even. The validator must give the same bits.
+    arr = np.full((1, 8), 1.00390625 + 2**-40)
+    out = validate_embeds(arr, T.DATA_TYPE_FP64, BF16, field="f", max_tokens=1)
+    expected, _ = as_numpy(torch.from_numpy(arr).to(torch.bfloat16))
+    assert np.array_equal(out, expected) and bf16_to_f32(out)[0, 0] == 1.0
