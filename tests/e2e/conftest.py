@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,12 @@ MAX_EMBEDS_BYTES = 16 * 1024 * 1024
 @pytest.fixture(scope="session")
 def mesh() -> Iterator[Mesh]:
     # A small embeds cap so the over-cap case in the bad-input table stays cheap to send.
-    m = start_mesh(workers=1, env={"EMBEDMESH_MAX_EMBEDS_BYTES": str(MAX_EMBEDS_BYTES)})
+    trace_file = f"/tmp/embedmesh-traces-{os.getpid()}.jsonl"
+    if os.path.exists(trace_file):
+        os.remove(trace_file)
+    m = start_mesh(workers=1, env={"EMBEDMESH_MAX_EMBEDS_BYTES": str(MAX_EMBEDS_BYTES),
+                                   "EMBEDMESH_TRACE_FILE": trace_file, "EMBEDMESH_TRACE_CONSOLE": "0"})
+    m.extra["trace_file"] = trace_file
     yield m
     code = m.stop()
     assert code == 0, f"launcher did not stop cleanly ({code}):\n{m.log_tail()}"

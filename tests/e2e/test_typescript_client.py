@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from embedmesh_client import Client
+
 from tests.e2e.conftest import MODEL
 
 pytestmark = pytest.mark.e2e
