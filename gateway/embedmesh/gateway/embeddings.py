@@ -1,6 +1,10 @@
 """``POST /v1/embeddings`` (OpenAI): ``input`` as a string, a list of strings, a list of token ids or a list of
-token-id lists; ``encoding_format`` "float" or "base64" (little-endian float32 bytes, as the SDK decodes them);
-``dimensions``; ``user`` ignored."""
+token-id lists; ``encoding_format`` "float" (the default) or "base64" (little-endian float32 bytes, as the SDK
+decodes them); ``dimensions``; ``user`` ignored. Only the JSON shape is checked here; the rules on the inputs
+(empty, vocabulary, length, count, dimensions) live in the preprocessor, so gRPC clients get the same 400s.
+
+Registered by ``create_app`` through ``embedding_routes(gateway)``.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _token_ids(ids: list[int], name: str) -> inference_pb2.TokenIds:
+    # The wire type is int32; the vocabulary check (negative, too large) is the preprocessor's.
+    if any(not -(2**31) <= t < 2**31 for t in ids):
+        raise bad_request(name, "token ids must fit in int32", "invalid_value")
+    return inference_pb2.TokenIds(ids=ids)
+
+
 def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str]:
+    """The public gRPC request for an OpenAI body, and the encoding the response must use."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "is required (an embedding model; see GET /v1/models)", "missing")
@@ -36,29 +48,28 @@ def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str
     elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
         req.inputs.extend(inference_pb2.EmbedInput(text=x) for x in raw)
     elif isinstance(raw, list) and raw and all(_is_int(x) for x in raw):
-        req.inputs.append(inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=raw)))
+        req.inputs.append(inference_pb2.EmbedInput(token_ids=_token_ids(raw, "input")))
     elif isinstance(raw, list) and raw and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in raw):
-        req.inputs.extend(inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=x)) for x in raw)
+        req.inputs.extend(inference_pb2.EmbedInput(token_ids=_token_ids(x, "input" if len(raw) == 1 else f"input[{i}]"))
+                          for i, x in enumerate(raw))
     elif raw == [] or raw is None:
         raise bad_request("input", "must not be empty", "missing")
     else:
         raise bad_request("input", "must be a string, a list of strings, a list of token ids or a list of token-id "
                                    "lists", "invalid_type")
-    for item in req.inputs:
-        if item.WhichOneof("kind") == "token_ids" and any(not -(2**31) <= t < 2**31 for t in item.token_ids.ids):
-            raise bad_request("input", "token ids must fit in int32", "invalid_value")
     fmt = body.get("encoding_format", "float") or "float"
     if fmt not in ("float", "base64"):
         raise bad_request("encoding_format", f"must be 'float' or 'base64', got {fmt!r}", "invalid_value")
     dims = body.get("dimensions")
     if dims is not None:
-        if not _is_int(dims) or dims < 1:
-            raise bad_request("dimensions", "must be an integer >= 1", "invalid_value")
+        if not _is_int(dims) or not 1 <= dims < 2**31:
+            raise bad_request("dimensions", "must be a positive integer", "invalid_value")
         req.dimensions = dims
     return req, fmt
 
 
 def embedding_routes(gateway: Any) -> list[Route]:
+    """The route, bound to the gateway's preprocessor stub, JSON reader and timeout."""
     async def create(request: Request) -> Response:
         body = await gateway.read_json(request)
         req, fmt = embed_request(body)

@@ -61,9 +61,13 @@ async def test_dimensions() -> None:
     await e.start()
     full, _ = await e.embed(["hello world"])
     short, _ = await e.embed(["hello world"], dimensions=64)
+    with pytest.raises(InvalidArgument) as too_big:
+        await e.embed(["hello world"], dimensions=385)
     await e.shutdown()
     assert short.shape == (1, 64)
+    np.testing.assert_allclose(np.linalg.norm(short[0]), 1.0, atol=1e-6)
     np.testing.assert_allclose(short[0], full[0, :64] / np.linalg.norm(full[0, :64]), atol=1e-6)
+    assert too_big.value.field == "dimensions" and too_big.value.reason == "OUT_OF_RANGE"
 
 
 @pytest.mark.parametrize(
@@ -74,6 +78,7 @@ async def test_dimensions() -> None:
         ([[1, 2, 10**6]], None, "input"),
         (["hello"], 64, "dimensions"),
         (["hello"], 385, "dimensions"),
+        (["hello"], 0, "dimensions"),
     ],
 )
 async def test_bad_inputs(engine: HFEmbedEngine, inputs: list[Any], dimensions: int | None, field: str) -> None:
@@ -82,3 +87,80 @@ async def test_bad_inputs(engine: HFEmbedEngine, inputs: list[Any], dimensions: 
     assert info.value.field == field
     ok, _ = await engine.embed(["still serving"])
     assert ok.shape == (1, 384)
+
+
+async def test_uneven_lengths_in_one_batch_equal_sentence_transformers(engine: HFEmbedEngine, reference: Any) -> None:
+    # Padding must not leak into the mean: a 2-token and a ~200-token input share one forward pass.
+    texts = ["hi", "a long sentence about many things " * 25, "mid length input here"]
+    before = engine.forward_passes
+    ours, _ = await engine.embed(texts)
+    assert engine.forward_passes - before == 1
+    np.testing.assert_allclose(ours, reference.encode(texts, convert_to_numpy=True), atol=1e-5)
+
+
+async def test_full_size_dimensions_is_a_no_op(engine: HFEmbedEngine) -> None:
+    full, _ = await engine.embed(["hello world"])
+    same, _ = await engine.embed(["hello world"], dimensions=384)
+    np.testing.assert_array_equal(full, same)
+
+
+async def test_a_bad_request_does_not_fail_the_requests_batched_with_it(engine: HFEmbedEngine) -> None:
+    good, bad = await asyncio.gather(engine.embed(["fine"]), engine.embed([[5, -1]]), return_exceptions=True)
+    assert isinstance(bad, InvalidArgument) and bad.field == "input"
+    assert not isinstance(good, BaseException) and good[0].shape == (1, 384)
+
+
+@pytest.mark.parametrize(
+    "inputs,field,reason",
+    [
+        ([""], "input", "EMPTY_INPUT"),
+        (["ok", ""], "input[1]", "EMPTY_INPUT"),
+        ([[]], "input", "EMPTY_INPUT"),
+        ([[101, -1, 102]], "input", "TOKEN_OUT_OF_RANGE"),
+        (["ok", [101, 30522, 102]], "input[1]", "TOKEN_OUT_OF_RANGE"),
+        ([[101] + [1000] * 255 + [102]], "input", "INPUT_TOO_LONG"),  # 257 ids > max_seq_length 256
+        (["ok", "fine", "word " * 300], "input[2]", "INPUT_TOO_LONG"),
+    ],
+)
+async def test_bad_input_table(engine: HFEmbedEngine, inputs: list[Any], field: str, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        await engine.embed(inputs)
+    assert (info.value.field, info.value.reason) == (field, reason)
+    assert field in info.value.message
+
+
+async def test_longest_accepted_input(engine: HFEmbedEngine) -> None:
+    vec, tokens = await engine.embed([[101] + [1000] * 254 + [102]])
+    assert tokens == [256] and vec.shape == (1, 384)
+
+
+def test_info_describes_an_embedding_model(engine: HFEmbedEngine) -> None:
+    info = engine.info()
+    assert (info.task, info.embedding_size, info.max_context_tokens, info.vocab_size) == ("embed", 384, 256, 30522)
+    assert info.supports_dimensions is False
+
+
+def test_generate_is_refused(engine: HFEmbedEngine) -> None:
+    from embedmesh.services.worker.engines.base import GenerationRequest
+
+    with pytest.raises(InvalidArgument) as info:
+        engine.generate(GenerationRequest("r", []))
+    assert info.value.field == "model"
+
+
+def test_pooling_spec_is_read_from_the_folder(tmp_path: Any) -> None:
+    import json
+
+    from embedmesh.services.worker.engines.hf_embed import read_pooling_spec
+
+    spec = read_pooling_spec(minilm_dir(), 512)
+    assert (spec.pooling, spec.normalize, spec.max_tokens) == ("mean", True, 256)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    (tmp_path / "modules.json").write_text(json.dumps([{"path": "", "type": "x.Transformer"},
+                                                       {"path": "1_Pooling", "type": "x.Pooling"}]))
+    spec = read_pooling_spec(tmp_path, 512)
+    assert (spec.pooling, spec.normalize, spec.max_tokens) == ("cls", False, 512)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="not supported"):
+        read_pooling_spec(tmp_path, 512)

@@ -223,6 +223,11 @@ class HFEmbedEngine(Engine):
             raise Unavailable("model is still loading", reason="LOADING")
         return self._info
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (valid after ``start``)."""
+        return self._encoder.tokenizer
+
     def stats(self) -> EngineStats:
         self._stats.queued_requests = self._inbox.qsize()
         return self._stats

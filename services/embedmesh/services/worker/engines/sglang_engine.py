@@ -1,0 +1,375 @@
+"""The ``sglang`` engine: an adapter over SGLang's offline ``Engine`` (sglang==0.5.23, in its own venv built by
+``scripts/sglang_venv.sh``; the worker runs there with the source tree on PYTHONPATH).
+
+Two tasks, one per worker:
+- ``embed`` (runs on this CPU): ``is_embedding=True``, ``device="cpu"``, ``disable_radix_cache=True`` (with the
+  radix cache on, a repeated input is served from cached prefix states and comes back as a wrong vector), a bounded
+  ``max_total_tokens`` (SGLang otherwise sizes its KV pool from free memory). Inputs are tokenized and checked here
+  with the shared rules of ``hf_embed`` (so errors and token counts match the hf worker) and sent to SGLang as
+  ``input_ids``; SGLang's scheduler batches concurrent requests itself. Note: SGLang pools BERT models with the
+  [CLS] token and L2-normalises (``sglang/srt/models/bert.py``), whereas all-MiniLM-L6-v2 was trained with mean
+  pooling: its vectors are close to, but not equal to, the hf worker's (the sglang e2e test measures the cosine).
+- ``generate`` (GPU deployments; not runnable on this CPU): requests become ``GenerateReqInput`` objects — token-only
+  prompts as ``input_ids``, prompts with embeddings as ``input_embeds`` for the whole prompt (token segments are
+  looked up in the model's input embedding table, so mixed prompts work) — streamed with
+  ``incremental_streaming_output=True`` and converted to ``GenerationDelta``. Tested at that boundary only (the
+  request objects built and a scripted tokenizer manager), see tests/unit/services/worker/test_sglang_engine.py.
+
+Spawn guard: SGLang starts its scheduler and detokenizer with multiprocessing's ``spawn`` method, which re-imports
+the parent's ``__main__``; the worker's ``main.py`` keeps its start-up under ``if __name__ == "__main__"``, and any
+script that builds this engine must do the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.logs import get_logger
+from embedmesh.core.sampling import SamplingParams
+from embedmesh.core.tensors import BF16_STORAGE, bf16_to_f32
+from embedmesh.services.worker.engines.base import (
+    EmbedsSegment,
+    Engine,
+    EngineStats,
+    FinishReason,
+    GenerationDelta,
+    GenerationRequest,
+    ModelInfo,
+    Segment,
+    TokenSegment,
+)
+from embedmesh.services.worker.engines.hf_embed import InputEncoder, check_dimensions, read_pooling_spec, shorten
+
+__all__ = [
+    "SGLangConfig",
+    "SGLangEngine",
+    "engine_kwargs",
+    "sampling_to_sglang",
+    "prompt_fields",
+    "generate_request",
+    "delta_from_output",
+    "from_worker_config",
+]
+
+log = get_logger(__name__)
+
+TASKS = ("embed", "generate")
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    model_path: Path
+    """Local Hugging Face folder (a sentence-transformers folder for embeddings)."""
+    served_name: str
+    """Name clients pass as ``model``."""
+    task: str = "embed"
+    """"embed" (CPU or GPU) or "generate" (GPU only)."""
+    device: str = "cpu"
+    """SGLang device: "cpu" here, "cuda" on GPU hosts."""
+    dtype: str = "float32"
+    """Model dtype inside SGLang ("float32" keeps MiniLM's vectors comparable with the hf worker's)."""
+    max_total_tokens: int = 8192
+    """Size of SGLang's token pool; bounded, or SGLang sizes it from free memory."""
+    max_running_requests: int = 64
+    """Most sequences SGLang runs at once."""
+    supports_dimensions: bool = False
+    """Allow shortened vectors (Matryoshka-trained models only)."""
+    log_level: str = "error"
+    """SGLang's own log level."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """More ``ServerArgs`` fields, passed through as given (e.g. ``tp_size`` on GPU hosts)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.max_total_tokens < 16:
+            raise ValueError("max_total_tokens must be >= 16")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+
+
+def engine_kwargs(config: SGLangConfig, context_length: int | None) -> dict[str, Any]:
+    """Keyword arguments for ``sglang.Engine`` (its ``ServerArgs``)."""
+    kw: dict[str, Any] = {
+        "model_path": str(config.model_path),
+        "tokenizer_path": str(config.model_path),
+        "served_model_name": config.served_name,
+        "device": config.device,
+        "dtype": config.dtype,
+        "max_total_tokens": config.max_total_tokens,
+        "max_running_requests": config.max_running_requests,
+        # Embeddings: a cached prefix gives a wrong vector for a repeated input. Generation with input_embeds
+        # has no token ids to key a prefix on either.
+        "disable_radix_cache": True,
+        "log_level": config.log_level,
+        "random_seed": 0,
+    }
+    if context_length:
+        kw["context_length"] = context_length
+    if config.task == "embed":
+        kw["is_embedding"] = True
+    else:
+        kw["incremental_streaming_output"] = True  # each streamed chunk carries only its new tokens
+    kw.update(config.extra)
+    return kw
+
+
+# --- generation adapter (GPU) ---------------------------------------------------------------------------------
+def sampling_to_sglang(s: SamplingParams) -> dict[str, Any]:
+    """Our resolved sampling controls as SGLang's ``sampling_params`` dict."""
+    out: dict[str, Any] = {
+        "max_new_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,  # -1: all tokens
+        "ignore_eos": s.ignore_eos,
+    }
+    if s.stop:
+        out["stop"] = list(s.stop)
+    if s.seed is not None:
+        out["sampling_seed"] = s.seed
+    return out
+
+
+def _rows_f32(seg: EmbedsSegment) -> np.ndarray:
+    rows = seg.rows
+    if rows.dtype == BF16_STORAGE:
+        return bf16_to_f32(rows)
+    return rows.astype(np.float32, copy=False)
+
+
+def prompt_fields(segments: Sequence[Segment],
+                  embed_tokens: Callable[[Sequence[int]], np.ndarray] | None) -> dict[str, Any]:
+    """The prompt part of a ``GenerateReqInput``: ``input_ids`` for token-only prompts, else ``input_embeds`` for
+    the whole prompt in order (token segments looked up with ``embed_tokens``: ids -> (n, hidden) rows)."""
+    if all(isinstance(s, TokenSegment) for s in segments):
+        return {"input_ids": [t for s in segments for t in s.ids]}  # type: ignore[union-attr]
+    parts: list[np.ndarray] = []
+    for s in segments:
+        if isinstance(s, EmbedsSegment):
+            parts.append(_rows_f32(s))
+        else:
+            if embed_tokens is None:
+                raise InvalidArgument("prompt: this worker cannot mix token ids with embeddings (no embedding "
+                                      "table)", field="prompt", reason="MIXED_PROMPT_UNSUPPORTED")
+            parts.append(np.asarray(embed_tokens(s.ids), np.float32))
+    return {"input_embeds": np.concatenate(parts).tolist()}
+
+
+def generate_request(request: GenerationRequest,
+                     embed_tokens: Callable[[Sequence[int]], np.ndarray] | None) -> Any:
+    """Build SGLang's ``GenerateReqInput`` for one sequence (streamed)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return GenerateReqInput(rid=request.request_id, sampling_params=sampling_to_sglang(request.sampling),
+                            stream=True, **prompt_fields(request.segments, embed_tokens))
+
+
+_FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORT}
+
+
+def delta_from_output(chunk: dict[str, Any]) -> GenerationDelta:
+    """One incremental SGLang output chunk as our delta."""
+    meta = chunk.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    reason = None
+    if isinstance(finish, dict):
+        reason = _FINISH.get(str(finish.get("type")), FinishReason.STOP)
+    elif finish:
+        reason = _FINISH.get(str(finish), FinishReason.STOP)
+    return GenerationDelta(text=chunk.get("text") or "", token_ids=tuple(chunk.get("output_ids") or ()),
+                           completion_tokens=int(meta.get("completion_tokens", 0)), finish_reason=reason)
+
+
+class _EmbeddingTable:
+    """The model's input embedding matrix, read from its safetensors (for mixed token + embeddings prompts)."""
+
+    _NAMES = ("embed_tokens.weight", "word_embeddings.weight", "wte.weight")
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self.matrix: np.ndarray | None = None
+        for path in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                name = next((k for k in f.keys() if k.endswith(self._NAMES)), None)  # noqa: SIM118
+                if name is not None:
+                    self.matrix = f.get_tensor(name).float().numpy()
+                    return
+
+    def __call__(self, ids: Sequence[int]) -> np.ndarray:
+        assert self.matrix is not None
+        return self.matrix[np.asarray(ids, np.int64)]
+
+
+# --- the engine -----------------------------------------------------------------------------------------------
+class SGLangEngine(Engine):
+    """A worker engine over ``sglang.Engine`` (started in this process; SGLang spawns its own scheduler)."""
+
+    def __init__(self, config: SGLangConfig) -> None:
+        self.config = config
+        self._sgl: Any = None
+        self._info: ModelInfo | None = None
+        self._encoder: InputEncoder | None = None
+        self._embed_tokens: Callable[[Sequence[int]], np.ndarray] | None = None
+        self._stats = EngineStats()
+        self._running: set[str] = set()
+
+    async def start(self) -> None:
+        folder = self.config.model_path
+        cfg = json.loads((folder / "config.json").read_text())
+        from transformers import AutoTokenizer
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, folder)
+        hidden = int(cfg["hidden_size"])
+        vocab = int(cfg["vocab_size"])
+        positions = int(cfg.get("max_position_embeddings", 2048))
+        if self.config.task == "embed":
+            max_tokens = read_pooling_spec(folder, positions).max_tokens
+            self._encoder = InputEncoder(tokenizer, self.config.served_name, vocab, max_tokens)
+        else:
+            max_tokens = positions
+        kwargs = engine_kwargs(self.config, max_tokens)
+        loop = asyncio.get_running_loop()
+        self._sgl = await asyncio.to_thread(_launch, kwargs)
+        _attach_without_signal_handlers(self._sgl, loop)
+        if self.config.task == "generate":
+            self._embed_tokens = await asyncio.to_thread(_EmbeddingTable, folder)
+        self._info = ModelInfo(
+            self.config.served_name, "sglang", hidden, max_tokens, self.config.dtype, vocab,
+            self.config.max_running_requests, task=self.config.task,
+            embedding_size=hidden if self.config.task == "embed" else 0,
+            supports_dimensions=self.config.supports_dimensions,
+        )
+        log.info("sglang engine started", extra={"model": str(folder), "task": self.config.task,
+                                                 "device": self.config.device})
+
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise Unavailable("model is still loading", reason="LOADING")
+        return self._info
+
+    def stats(self) -> EngineStats:
+        self._stats.active_requests = len(self._running)
+        return self._stats
+
+    async def shutdown(self) -> None:
+        if self._sgl is not None:
+            sgl, self._sgl = self._sgl, None
+            await asyncio.to_thread(sgl.shutdown)
+
+    async def check_health(self) -> None:
+        if self._sgl is None:
+            raise Unavailable("sglang engine is not running", reason="ENGINE_STOPPED")
+
+    def _manager(self) -> Any:
+        if self._sgl is None:
+            raise Unavailable("sglang engine is not running", reason="ENGINE_STOPPED")
+        return self._sgl.tokenizer_manager
+
+    # --- embeddings ---------------------------------------------------------------------------------------------
+    async def embed(self, inputs: list[str | list[int]],
+                    dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:
+        info = self.info()
+        if info.task != "embed" or self._encoder is None:
+            raise InvalidArgument(f"model: {info.model} generates text; pick an embedding model", field="model",
+                                  reason="WRONG_TASK")
+        check_dimensions(dimensions, info)
+        ids = self._encoder.encode(inputs)
+        from sglang.srt.managers.io_struct import EmbeddingReqInput
+
+        rid = uuid.uuid4().hex
+        obj = EmbeddingReqInput(input_ids=ids, rid=[f"{rid}-{i}" for i in range(len(ids))])
+        self._running.add(rid)
+        try:
+            out = await self._manager().generate_request(obj, None).__anext__()
+        finally:
+            self._running.discard(rid)
+        rows = out if isinstance(out, list) else [out]
+        vectors = np.asarray([r["embedding"] for r in rows], np.float32)
+        self._stats.completed_requests += 1
+        return shorten(vectors, dimensions), [len(x) for x in ids]
+
+    # --- generation (GPU) ---------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        info = self.info()
+        if info.task != "generate":
+            raise InvalidArgument(f"model: {info.model} is an embedding model; use /v1/embeddings", field="model",
+                                  reason="WRONG_TASK")
+        obj = generate_request(request, self._embed_tokens)
+        manager = self._manager()
+        self._running.add(request.request_id)
+        finished = False
+        try:
+            async for chunk in manager.generate_request(obj, None):
+                delta = delta_from_output(chunk)
+                self._stats.generated_tokens += len(delta.token_ids)
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    self._stats.completed_requests += 1
+                    return
+        finally:
+            self._running.discard(request.request_id)
+            if not finished:  # the caller went away: stop the sequence in SGLang too
+                manager.abort_request(rid=request.request_id)
+                self._stats.aborted_requests += 1
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._running:
+            return False
+        self._manager().abort_request(rid=request_id)
+        return True
+
+
+def _launch(kwargs: dict[str, Any]) -> Any:
+    """Start SGLang (loads the model, spawns the scheduler); off the event loop so health checks keep answering."""
+    import sglang
+
+    return sglang.Engine(**kwargs)
+
+
+def _attach_without_signal_handlers(sgl: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Start SGLang's response loop on our event loop but keep our SIGTERM/SIGQUIT handlers.
+
+    SGLang's tokenizer manager installs its own SIGTERM handler on the loop that first serves a request (it kills
+    the process tree once requests drain), which would bypass the worker's graceful drain. We start that loop now
+    and put back whatever handlers the worker had (asyncio keeps them in ``_signal_handlers``).
+    """
+    handlers = getattr(loop, "_signal_handlers", None)
+    saved = {sig: handlers.get(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)} if handlers is not None else {}
+    sgl.tokenizer_manager.auto_create_handle_loop()
+    for sig, handle in saved.items():
+        if handle is not None:
+            loop.add_signal_handler(sig, handle._callback, *handle._args)
+        else:
+            loop.remove_signal_handler(sig)
+
+
+def from_worker_config(config: Any) -> SGLangEngine:
+    """Build the engine from the worker's ``WorkerConfig`` (``--engine sglang``); ``--model default`` is the
+    packaged all-MiniLM-L6-v2. Reads the optional fields ``sglang_task``, ``sglang_device`` and
+    ``sglang_max_total_tokens`` when the config has them."""
+    from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
+
+    task = getattr(config, "sglang_task", "embed")
+    default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
+    if default and task != "embed":
+        raise ValueError("--engine sglang with a generative task needs --model <folder>")
+    folder = minilm_dir() if default else Path(config.model)
+    name = config.served_name or (DEFAULT_EMBEDDING_MODEL if default else folder.name)
+    return SGLangEngine(SGLangConfig(
+        folder, name, task=task, device=getattr(config, "sglang_device", "cpu"), dtype=config.dtype,
+        max_total_tokens=getattr(config, "sglang_max_total_tokens", 8192),
+        max_running_requests=max(config.max_batch_size, 1) if task == "generate" else 64,
+    ))
