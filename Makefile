@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client clean
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv clean
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -43,13 +43,19 @@ $(BUF):
 lint-proto: $(BUF)
 	cd protos && $(BUF) lint
 
+# SGLang (embedding worker on CPU) in its own venv keyed by version, outside the checkout and reused.
+SGLANG_VENV := $(CACHE)/venvs/sglang-0.5.23
+$(SGLANG_VENV)/.complete: scripts/sglang_venv.sh
+	PYTHON=$(PYTHON) bash scripts/sglang_venv.sh
+sglang-venv: $(SGLANG_VENV)/.complete
+
 # The TypeScript client, built from the same protos (npm registry packages, pinned by package-lock.json).
 ts-client: clients/typescript/dist/complete.js
 
 clients/typescript/dist/complete.js: clients/typescript/package.json clients/typescript/src/*.ts
 	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
 
-test: venv model sysdeps lint-proto ts-client
+test: venv model sysdeps lint-proto ts-client sglang-venv
 	$(PY) -m pytest tests
 
 test-unit: venv model

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["main", "MeshProcess"]
 
@@ -27,9 +28,19 @@ class MeshProcess:
     proc: subprocess.Popen[bytes]
 
 
-def _spawn(name: str, module: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _spawn(name: str, module: str, args: list[str], env: dict[str, str],
+           python: str = sys.executable) -> subprocess.Popen[bytes]:
     # Own process group per child: Ctrl-C reaches the launcher, which stops children in order.
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, start_new_session=True)
+    return subprocess.Popen([python, "-m", module, *args], env=env, start_new_session=True)
+
+
+def _source_path() -> str:
+    """PYTHONPATH that lets an engine's own venv (sglang) import this checkout without installing it."""
+    import embedmesh.core
+
+    services = Path(embedmesh.core.__file__).resolve().parents[2]
+    root = services.parent
+    return os.pathsep.join(str(p) for p in (services, root / "gateway", root / "gen" / "python"))
 
 
 def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float) -> bool:
@@ -84,6 +95,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Prometheus ports: preprocessor base+1, worker i base+10+i (0 = no metrics ports)")
     p.add_argument("--embed-worker-port", type=int, default=int(env.get("EMBEDMESH_EMBED_WORKER_PORT", "50091")),
                    help="port of the hf-embed worker serving /v1/embeddings (0 = none)")
+    p.add_argument("--embed-engine", default=env.get("EMBEDMESH_EMBED_ENGINE", "hf-embed"),
+                   choices=["hf-embed", "sglang"], help="engine of the embedding worker")
+    cache = Path(env.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
+    p.add_argument("--sglang-venv", default=env.get("EMBEDMESH_SGLANG_VENV", str(cache / "venvs" / "sglang-0.5.23")),
+                   help="venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -123,11 +139,18 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
     if a.embed_worker_port and a.engine != "echo":
         addr = f"{a.host}:{a.embed_worker_port}"
         worker_addrs.append(addr)
-        args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", "hf-embed", "--threads", "1"]
+        args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", a.embed_engine, "--threads", "1"]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 9)]
+        python, worker_env = sys.executable, env
+        if a.embed_engine == "sglang":
+            python = str(Path(a.sglang_venv) / "bin" / "python")
+            if not Path(python).exists():
+                raise SystemExit(f"--embed-engine sglang needs the SGLang venv at {a.sglang_venv}; run `make "
+                                 f"sglang-venv`")
+            worker_env = {**env, "PYTHONPATH": _source_path()}
         procs.append(MeshProcess("embed-worker", addr, _spawn("embed-worker", "embedmesh.services.worker.main", args,
-                                                               env)))
+                                                               worker_env, python)))
     pre_addr = f"{a.host}:{a.preprocessor_port}"
     pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
     if a.metrics_port_base:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["WorkerConfig", "ENGINES"]
 
-ENGINES = ("hf", "hf-embed", "echo")
+ENGINES = ("hf", "hf-embed", "sglang", "echo")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class WorkerConfig:
     """Address the router hands out for this worker (default host:port)."""
     block_size: int = 16
     """Positions per KV block for routing hashes; must match the preprocessor's."""
+    sglang_task: str = "embed"
+    """sglang worker: "embed" (CPU or GPU) or "generate" (GPU only)."""
+    sglang_device: str = "cpu"
+    """sglang worker: SGLang device ("cpu", "cuda")."""
+    sglang_max_total_tokens: int = 8192
+    """sglang worker: size of SGLang's token pool."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -52,6 +58,8 @@ class WorkerConfig:
             raise ValueError("threads must be >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.sglang_task not in ("embed", "generate") or self.sglang_max_total_tokens < 1:
+            raise ValueError("sglang_task must be 'embed' or 'generate' and sglang_max_total_tokens >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -73,6 +81,10 @@ class WorkerConfig:
         p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
         p.add_argument("--advertise", default=env.get("EMBEDMESH_WORKER_ADVERTISE", ""))
         p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
+        p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))
+        p.add_argument("--sglang-device", default=env.get("EMBEDMESH_SGLANG_DEVICE", cls.sglang_device))
+        p.add_argument("--sglang-max-total-tokens", type=int,
+                       default=int(env.get("EMBEDMESH_SGLANG_MAX_TOTAL_TOKENS", cls.sglang_max_total_tokens)))
         a = p.parse_args(argv)
         values = vars(a)
         values["routers"] = tuple(r.strip() for r in a.routers.split(",") if r.strip())

@@ -26,6 +26,10 @@ def build_engine(config: WorkerConfig) -> Engine:
         from embedmesh.services.worker.engines.echo import EchoEngine
 
         return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
+    if config.engine == "sglang":
+        from embedmesh.services.worker.engines.sglang_engine import from_worker_config
+
+        return from_worker_config(config)
     if config.engine == "hf-embed":
         from pathlib import Path
 
