@@ -84,10 +84,14 @@ def test_health_per_service(mesh: Any, which: str) -> None:
 
 @pytest.mark.parametrize(
     "which,service",
-    [("preprocessor", "embedmesh.inference.v1.InferenceService"), ("worker", "embedmesh.worker.v1.WorkerService")],
+    [("preprocessor", "embedmesh.inference.v1.InferenceService"),
+     ("preprocessor", "embedmesh.cache.v1.EncoderCacheService"),
+     ("worker", "embedmesh.worker.v1.WorkerService"),
+     ("embed_worker", "embedmesh.worker.v1.WorkerService"),
+     ("router", "embedmesh.router.v1.RouterService")],
 )
 def test_grpcurl_list_describe_and_health(mesh: Any, which: str, service: str) -> None:
-    addr = mesh.preprocessor if which == "preprocessor" else mesh.workers[0]
+    addr = {"preprocessor": mesh.preprocessor, "worker": mesh.workers[0]}.get(which) or mesh.extra[which]
     listed = subprocess.run([grpcurl(), "-plaintext", addr, "list"], capture_output=True, text=True, timeout=30)
     assert listed.returncode == 0, listed.stderr
     names = listed.stdout.split()
@@ -102,6 +106,21 @@ def test_grpcurl_list_describe_and_health(mesh: Any, which: str, service: str) -
     )
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout)["status"] == "SERVING"
+
+
+@pytest.mark.parametrize(
+    "which,method,body,key",
+    [("router", "embedmesh.router.v1.RouterService/ListWorkers", {}, "workers"),
+     ("worker", "embedmesh.worker.v1.WorkerService/GetInfo", {}, "hidden_size"),
+     ("preprocessor", "embedmesh.cache.v1.EncoderCacheService/Stats", {}, "tiers"),
+     ("preprocessor", "embedmesh.inference.v1.InferenceService/ListModels", {}, "models")],
+)
+def test_grpcurl_calls_every_service(mesh: Any, which: str, method: str, body: dict[str, Any], key: str) -> None:
+    addr = {"preprocessor": mesh.preprocessor, "worker": mesh.workers[0]}.get(which) or mesh.extra[which]
+    r = subprocess.run([grpcurl(), "-plaintext", "-d", json.dumps(body), addr, method], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert key in json.loads(r.stdout)
 
 
 def test_grpcurl_completion_from_a_small_tensor(mesh: Any, client: Any, embeds_of: Any) -> None:
