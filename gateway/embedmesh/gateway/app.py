@@ -1,15 +1,23 @@
-"""The Starlette app: routes, the gRPC channel to the preprocessor, SSE streaming, health, metrics, tracing.
+"""The Starlette app: one gRPC channel to the preprocessor, the route modules, health, metrics, OpenAI errors.
 
-Streaming: the first event is awaited before the HTTP response starts, so a request the preprocessor rejects is a
-plain 400 JSON, not a broken stream. When the HTTP client goes away, Starlette cancels the body iterator; its
-``finally`` cancels the gRPC call, which cancels the preprocessor's calls to the workers, which abort generation.
+Routes come from one module per API area, each a ``*_routes(gateway) -> list[Route]`` function bound to the
+``Gateway`` (channel, stubs, config, body reading)::
+
+    completions.py   POST /v1/completions, POST /v1/chat/completions (JSON or SSE)
+    embeddings.py    POST /v1/embeddings
+    uploads.py       /v1/prompt_embeds (upload a tensor once, refer to it by id)
+    app.py           GET /v1/models, GET /health, GET /metrics
+
+A new area (``/v1/files``, ``/v1/vector_stores``) is a new module with its own ``(gateway) -> list[Route]``
+function, listed in ``create_app`` or passed in ``extra_routes``. Every route gets the same wrapper: request count
+by route and status, latency, the in-flight gauge, a server span, and OpenAI error JSON for ``ApiError`` and
+unexpected errors.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,40 +25,45 @@ import grpc
 import orjson
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate, trace
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.telemetry import tracer
+from embedmesh.gateway.completions import completion_routes
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.embeddings import embedding_routes
 from embedmesh.gateway.errors import ApiError, error_response, from_grpc
-from embedmesh.gateway.translate import FINISH, chat_params, completion_params, require_object, usage_json
+from embedmesh.gateway.metrics import INFLIGHT, LATENCY, REQUESTS
+from embedmesh.gateway.sse import EventStream
+from embedmesh.gateway.translate import require_object
 from embedmesh.gateway.uploads import upload_routes
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["create_app", "Gateway"]
 
-REQUESTS = Counter("embedmesh_gateway_requests_total", "HTTP requests by route and status", ["route", "status"])
-LATENCY = Histogram("embedmesh_gateway_request_duration_seconds", "Time to the response head (whole body for "
-                    "non-streamed responses)", ["route"],
-                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-INFLIGHT = Gauge("embedmesh_gateway_inflight_requests", "Requests being handled (streams until they end)")
-DISCONNECTS = Counter("embedmesh_gateway_stream_disconnects_total", "Streams the client left before the end")
+log = get_logger("embedmesh.gateway")
+
+_HEALTH_TIMEOUT_S = 3.0
+_MODELS_TIMEOUT_S = 10.0
 
 
 class Gateway:
-    """Holds the channel and stubs; route handlers are its methods."""
+    """What every route module needs: the config, the channel to the preprocessor and its stubs, body reading.
+
+    The channel exists between the app's startup and shutdown (``open``/``close`` run in its lifespan).
+    """
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: inference_pb2_grpc.InferenceServiceStub | None = None
-        self.health: health_pb2_grpc.HealthStub | None = None
+        self.channel: grpc.aio.Channel = None  # type: ignore[assignment]  # set by open()
+        self.stub: inference_pb2_grpc.InferenceServiceStub = None  # type: ignore[assignment]
+        self.health: health_pb2_grpc.HealthStub = None  # type: ignore[assignment]
 
     async def open(self) -> None:
         self.channel = insecure_channel(self.config.preprocessor)
@@ -62,175 +75,102 @@ class Gateway:
             await self.channel.close()
 
     async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object; 413 past ``max_body_bytes`` (checked while reading, not after), 400 if not
+        a JSON object."""
+        limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.config.max_body_bytes:
-            raise ApiError(413, f"request body over the {self.config.max_body_bytes} byte limit",
-                           code="body_too_large")
-        raw = await request.body()
-        if len(raw) > self.config.max_body_bytes:
-            raise ApiError(413, f"request body over the {self.config.max_body_bytes} byte limit",
-                           code="body_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the connection while sending the body",
+                           code="client_disconnected") from None
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         try:
             return require_object(orjson.loads(raw))
         except orjson.JSONDecodeError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    # --- completions and chat ---------------------------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        params = completion_params(body)
-        return await self._generate(body, params, chat=False)
 
-    async def chat_completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        params = chat_params(body)
-        return await self._generate(body, params, chat=True)
-
-    async def _generate(self, body: dict[str, Any], params: Any, *, chat: bool) -> Response:
-        assert self.stub is not None
-        timeout = self.config.request_timeout_seconds
-        created = int(time.time())
-        if not body.get("stream"):
-            try:
-                if chat:
-                    resp = await self.stub.Chat(inference_pb2.ChatRequest(params=params), timeout=timeout)
-                else:
-                    resp = await self.stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=timeout)
-            except grpc.aio.AioRpcError as e:
-                raise from_grpc(e) from None
-            return _json(_whole(resp, created, chat))
-        if chat:
-            call = self.stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
-        else:
-            call = self.stub.StreamComplete(inference_pb2.StreamCompleteRequest(params=params), timeout=timeout)
-        try:
-            first = await call.read()
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e) from None
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(
-            _sse(call, first, created, chat, include_usage),
-            media_type="text/event-stream",
-            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
-
-    async def models(self, request: Request) -> Response:
-        assert self.stub is not None
-        try:
-            resp = await self.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=10)
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e) from None
-        data = [
-            {
-                "id": m.id, "object": "model", "created": m.created, "owned_by": "embedmesh",
-                "max_model_len": m.max_context_tokens, "hidden_size": m.hidden_size,
-                "task": m.task or "generate", "ready_workers": m.ready_workers,
-            }
-            for m in resp.models
-        ]
-        return _json({"object": "list", "data": data})
-
-    async def health_check(self, request: Request) -> Response:
-        assert self.health is not None
-        try:
-            r = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=3)
-        except grpc.aio.AioRpcError as e:
-            return _json({"status": "unavailable", "detail": f"preprocessor unreachable: {e.code().name}"}, 503)
-        if r.status == health_pb2.HealthCheckResponse.SERVING:
-            return _json({"status": "ok"})
-        return _json({"status": "unavailable",
-                      "detail": "the mesh is starting or draining (preprocessor or workers not SERVING)"}, 503)
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over the {limit} byte limit", code="body_too_large")
 
 
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-def _whole(resp: Any, created: int, chat: bool) -> dict[str, Any]:
-    if chat:
-        choices: list[dict[str, Any]] = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "finish_reason": FINISH[c.finish_reason], "logprobs": None}
-            for c in resp.choices
-        ]
-        obj = "chat.completion"
-    else:
-        choices = [{"index": c.index, "text": c.text, "finish_reason": FINISH[c.finish_reason], "logprobs": None}
-                   for c in resp.choices]
-        obj = "text_completion"
-    return {"id": resp.id, "object": obj, "created": created, "model": resp.model, "choices": choices,
-            "usage": usage_json(resp.usage)}
+def mesh_routes(gw: Gateway) -> list[Route]:
+    """``/v1/models`` and ``/health``."""
 
+    async def models(request: Request) -> Response:
+        try:
+            resp = await gw.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=_MODELS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return _json({"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": m.created, "owned_by": "embedmesh",
+             "max_model_len": m.max_context_tokens, "hidden_size": m.hidden_size,
+             "task": m.task or "generate", "ready_workers": m.ready_workers}
+            for m in resp.models
+        ]})
 
-def _event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    async def health(request: Request) -> Response:
+        try:
+            r = await gw.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            return _json({"status": "unavailable", "detail": f"preprocessor unreachable ({e.code().name})"}, 503)
+        if r.status == health_pb2.HealthCheckResponse.SERVING:
+            return _json({"status": "ok"})
+        return _json({"status": "unavailable", "detail": "the preprocessor is not SERVING (starting, draining or "
+                                                         "waiting for workers)"}, 503)
 
-
-async def _sse(call: Any, first: Any, created: int, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    """OpenAI's chunk shapes; exactly one finish_reason per choice; usage chunk on request; then [DONE]."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    started: set[int] = set()
-    finished = False
-    INFLIGHT.inc()
-    try:
-        ev = first
-        while ev is not grpc.aio.EOF:
-            if ev.HasField("usage"):
-                if include_usage:
-                    yield _event({"id": ev.id, "object": obj, "created": created, "model": ev.model, "choices": [],
-                                  "usage": usage_json(ev.usage)})
-            else:
-                finish = FINISH[ev.finish_reason]
-                if chat:
-                    if ev.index not in started:
-                        started.add(ev.index)
-                        yield _event({"id": ev.id, "object": obj, "created": created, "model": ev.model,
-                                      "choices": [{"index": ev.index, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None, "logprobs": None}],
-                                      **({"usage": None} if include_usage else {})})
-                    delta = {"content": ev.text} if ev.text else {}
-                    choice = {"index": ev.index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                else:
-                    choice = {"index": ev.index, "text": ev.text, "finish_reason": finish, "logprobs": None}
-                if ev.text or finish:
-                    yield _event({"id": ev.id, "object": obj, "created": created, "model": ev.model,
-                                  "choices": [choice], **({"usage": None} if include_usage else {})})
-            ev = await call.read()
-        finished = True
-        yield b"data: [DONE]\n\n"
-    except grpc.aio.AioRpcError as e:
-        finished = True
-        err = from_grpc(e)
-        yield _event(err.body())
-        yield b"data: [DONE]\n\n"
-    finally:
-        INFLIGHT.dec()
-        if not finished:
-            DISCONNECTS.inc()
-        call.cancel()
+    return [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
 
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _observed(route: str, handler: Handler) -> Handler:
+def _observed(route: str, handler: Handler, *, traced: bool = True) -> Handler:
     """Metrics, a server span (parented by an incoming W3C traceparent) and OpenAI errors for one route."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return error_response(e)
+        except Exception:  # noqa: BLE001 - a bug in a handler is a 500 in OpenAI's shape, with no internals
+            log.exception("unhandled error", extra={"route": route})
+            return error_response(ApiError(500, "internal server error", code="internal_error"))
 
     async def wrapped(request: Request) -> Response:
         t0 = time.perf_counter()
-        ctx = propagate.extract(dict(request.headers))
-        with tracer().start_as_current_span(f"gateway {request.method} {route}", context=ctx,
-                                            kind=trace.SpanKind.SERVER,
-                                            attributes={"http.route": route}) as span:
-            try:
-                response = await handler(request)
-            except ApiError as e:
-                response = error_response(e)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, e.message[:200]))
-            span.set_attribute("http.status_code", response.status_code)
+        INFLIGHT.inc()
+        response: Response | None = None
+        try:
+            if traced:
+                ctx = propagate.extract(request.headers)
+                with tracer().start_as_current_span(f"gateway {request.method} {route}", context=ctx,
+                                                    kind=trace.SpanKind.SERVER,
+                                                    attributes={"http.route": route}) as span:
+                    response = await run(request)
+                    span.set_attribute("http.status_code", response.status_code)
+                    if response.status_code >= 400:
+                        span.set_status(trace.Status(trace.StatusCode.ERROR, str(response.status_code)))
+            else:
+                response = await run(request)
+        finally:
+            if isinstance(response, EventStream):
+                response.on_close.append(INFLIGHT.dec)  # a stream is in flight until its last byte
+            else:
+                INFLIGHT.dec()
         REQUESTS.labels(route, str(response.status_code)).inc()
         LATENCY.labels(route).observe(time.perf_counter() - t0)
         return response
@@ -238,34 +178,50 @@ def _observed(route: str, handler: Handler) -> Handler:
     return wrapped
 
 
-def create_app(config: GatewayConfig, extra_routes: list[Route] | None = None) -> Starlette:
-    """The app; ``extra_routes`` lets feature modules (embeddings, files, vector stores) plug in."""
+async def _metrics(request: Request) -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+_HTTP_KIND = {404: "not_found_error", 405: "invalid_request_error"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown routes (404) and wrong methods (405) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))
+    kind = _HTTP_KIND.get(status, "invalid_request_error")
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(status)
+    return Response(orjson.dumps(ApiError(status, message, code=code, type_=kind).body()), status_code=status,
+                    media_type="application/json", headers=exc.headers)
+
+
+RouteFactory = Callable[["Gateway"], list[Route]]
+
+
+def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactory] = ()) -> Starlette:
+    """The gateway app. ``extra_routes`` plugs in more API areas: routes, or functions ``(gateway) -> routes``
+    (the shape of every ``*_routes`` function here, e.g. ``files.routes`` and ``vector_stores.routes``)."""
     gw = Gateway(config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.open()
-        yield
-        await gw.close()
+        try:
+            yield
+        finally:
+            await gw.close()
 
-    routes = [
-        Route("/v1/completions", _observed("/v1/completions", gw.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _observed("/v1/chat/completions", gw.chat_completions), methods=["POST"]),
-        Route("/v1/models", _observed("/v1/models", gw.models), methods=["GET"]),
-        Route("/health", gw.health_check, methods=["GET"]),
-        Route("/metrics", gw.metrics, methods=["GET"]),
-    ]
-    for r in [*upload_routes(gw), *embedding_routes(gw), *(extra_routes or [])]:
-        routes.append(Route(r.path, _observed(r.path, r.endpoint), methods=list(r.methods or ["GET"])))
+    plugged: list[Route] = []
+    for extra in extra_routes:
+        plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
+    routes: list[Route] = []
+    for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *plugged]:
+        traced = r.path != "/health"  # probes would drown the traces
+        routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced), methods=list(r.methods or ["GET"])))
+    routes.append(Route("/metrics", _metrics, methods=["GET"]))
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return error_response(ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                                       code=kind, type_=kind))
-
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.gateway = gw
-    app.state.request_id = lambda: uuid.uuid4().hex
     return app

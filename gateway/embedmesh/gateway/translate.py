@@ -1,10 +1,24 @@
-"""OpenAI JSON <-> the public gRPC messages. Each check here is about the shape of the JSON (types, ranges a
-field can have in OpenAI's API); rules about models and tensors live in the preprocessor, the single source."""
+"""OpenAI JSON <-> the public gRPC messages.
+
+Where each check lives: the gateway checks only the *shape* of the JSON — types, the ranges a field can have in
+OpenAI's API, parameters this server does not support, base64 — so it can build the protobuf message; a bad
+value is a 400 whose ``param`` names the field. Rules about prompts, models and tensors (a prompt is required,
+token ids within the vocabulary, the tensor's dtype/shape/hidden size/NaN, the context length) live in the
+preprocessor, the single source for REST and gRPC clients alike; the gateway maps its INVALID_ARGUMENT (with the
+field in the status details) to the same 400 shape.
+
+``prompt`` in /v1/completions: a string, a list of strings, a list of token ids or a list of token-id lists.
+``prompt_embeds`` (vLLM's extra parameter): base64 of ``torch.save(tensor)`` or of a safetensors file, a string or
+a list of them, sent as ``EncodedTensor`` with an unspecified encoding (the preprocessor sniffs which); or
+``{"id": ...}`` of a tensor uploaded to /v1/prompt_embeds. The openai SDK requires ``prompt``, so ``prompt=""``
+(or a list of only empty strings) beside ``prompt_embeds`` is dropped.
+"""
 
 from __future__ import annotations
 
 import binascii
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pybase64
@@ -29,32 +43,43 @@ FINISH = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 
-_UNSUPPORTED_COMPLETIONS = {
-    "echo": lambda v: v not in (None, False),
-    "suffix": lambda v: v not in (None, ""),
-    "logprobs": lambda v: v is not None,
-    "prompt_logprobs": lambda v: v is not None,
-    "best_of": lambda v: v not in (None, 1),
-    "logit_bias": lambda v: bool(v),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+# Parameters of OpenAI's API this server does not implement: (is it set to something other than the default?,
+# what to tell the caller). Neutral values (echo=false, best_of=1, penalties of 0) are accepted and ignored.
+_Check = tuple[Callable[[Any], bool], str]
+_NO_LOGPROBS = "is not supported by this server: it returns no log-probabilities"
+_NO_PENALTY = "is not supported by this server: only 0 (no penalty) is accepted"
+_UNSUPPORTED_COMPLETIONS: dict[str, _Check] = {
+    "echo": (lambda v: v not in (None, False),
+             "is not supported by this server (and an embeddings prompt has no text to echo)"),
+    "suffix": (lambda v: v not in (None, ""), "is not supported by this server: it does no insertion (fill-in-the-"
+                                              "middle) completion"),
+    "logprobs": (lambda v: v is not None, _NO_LOGPROBS),
+    "prompt_logprobs": (lambda v: v is not None, _NO_LOGPROBS),
+    "best_of": (lambda v: v not in (None, 1), "is not supported by this server: only 1 is accepted (use n)"),
+    "logit_bias": (lambda v: bool(v), "is not supported by this server"),
+    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
+    "presence_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
 }
-_UNSUPPORTED_CHAT = {
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v is not None,
-    "logit_bias": lambda v: bool(v),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
-    "audio": lambda v: v is not None,
-    "modalities": lambda v: v not in (None, ["text"]),
+_UNSUPPORTED_CHAT: dict[str, _Check] = {
+    "logprobs": (lambda v: v not in (None, False), _NO_LOGPROBS),
+    "top_logprobs": (lambda v: v is not None, _NO_LOGPROBS),
+    "logit_bias": (lambda v: bool(v), "is not supported by this server"),
+    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
+    "presence_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
+    "tools": (lambda v: bool(v), "is not supported by this server: it does no tool calling"),
+    "functions": (lambda v: bool(v), "is not supported by this server: it does no tool calling"),
+    "response_format": (lambda v: v not in (None, {"type": "text"}), "is not supported by this server: only "
+                                                                     '{"type": "text"} is accepted'),
+    "audio": (lambda v: v is not None, "is not supported by this server: it generates text only"),
+    "modalities": (lambda v: v not in (None, ["text"]), "is not supported by this server: it generates text only"),
 }
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+_UINT32_MAX = 2**32 - 1
 
 
 def _is_num(v: Any) -> bool:
@@ -87,8 +112,9 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
     if chat and body.get("max_completion_tokens") is not None:
         max_name, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
     if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
-            raise bad_request(max_name, "must be an integer >= 1", "invalid_type")
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= _UINT32_MAX:
+            raise bad_request(max_name, "must be an integer >= 1", "invalid_type" if not _is_int(max_tokens)
+                              else "invalid_value")
         s.max_tokens = max_tokens
     temperature = body.get("temperature")
     if temperature is not None:
@@ -102,7 +128,7 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
         s.top_p = float(top_p)
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
+        if not _is_int(top_k) or not -1 <= top_k <= _UINT32_MAX:
             raise bad_request("top_k", "must be an integer >= 0 (-1 or 0 disables it)", "invalid_value")
         if top_k > 0:
             s.top_k = top_k
@@ -127,15 +153,15 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
     return s
 
 
-def _common(body: dict[str, Any], unsupported: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+def _common(body: dict[str, Any], unsupported: dict[str, _Check], chat: bool) -> tuple[str, int | None]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "is required (a served model name; see GET /v1/models)", "missing")
-    for name, is_set in unsupported.items():
+    for name, (is_set, why) in unsupported.items():
         if is_set(body.get(name)):
-            raise bad_request(name, "is not supported by this server", "unsupported_parameter")
+            raise bad_request(name, why, "unsupported_parameter")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n < 1):
+    if n is not None and (not _is_int(n) or not 1 <= n <= _UINT32_MAX):
         raise bad_request("n", "must be an integer >= 1", "invalid_value")
     for flag in ("stream",):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
@@ -167,27 +193,33 @@ def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
     if prompt is None:
         pass
     elif isinstance(prompt, str):
-        params.prompts.append(prompt)
+        if prompt or not params.prompt_embeds:
+            params.prompts.append(prompt)
     elif isinstance(prompt, list):
-        if not prompt and embeds is None:
-            raise bad_request("prompt", "must not be an empty list", "invalid_value")
         if all(isinstance(p, str) for p in prompt):
-            params.prompts.extend(prompt)
+            if any(prompt) or not params.prompt_embeds:
+                params.prompts.extend(prompt)
         elif all(_is_int(p) for p in prompt):
+            _check_ids(prompt, "prompt")
             params.prompt_token_ids.append(inference_pb2.TokenIds(ids=prompt))
         elif all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+            for i, p in enumerate(prompt):
+                _check_ids(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
             params.prompt_token_ids.extend(inference_pb2.TokenIds(ids=p) for p in prompt)
         else:
             raise bad_request("prompt", "must be a string, a list of strings, a list of token ids or a list of "
                                         "token-id lists", "invalid_type")
     else:
-        raise bad_request("prompt", "must be a string, a list of strings or token ids", "invalid_type")
-    for i, ids in enumerate(params.prompt_token_ids):
-        if any(t < -(2**31) or t >= 2**31 for t in ids.ids):
-            raise bad_request("prompt", f"token id list {i} holds values outside int32", "invalid_value")
-    if not params.prompts and not params.prompt_token_ids and not params.prompt_embeds:
-        raise bad_request("prompt", "either prompt or prompt_embeds is required", "missing")
+        raise bad_request("prompt", "must be a string, a list of strings, a list of token ids or a list of "
+                                    "token-id lists", "invalid_type")
+    # Neither prompt nor prompt_embeds: the preprocessor's INVALID_ARGUMENT (field "prompt"), as for gRPC clients.
     return params
+
+
+def _check_ids(ids: list[int], param: str) -> None:
+    """Token ids must fit the proto's int32; whether they are in the vocabulary is the preprocessor's rule."""
+    if any(not -(2**31) <= t < 2**31 for t in ids):
+        raise bad_request(param, "token ids must be integers in [0, vocabulary size)", "invalid_value")
 
 
 def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
@@ -205,7 +237,10 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
         role = m.get("role")
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}].role", "is required", "missing")
-        msg = inference_pb2.ChatMessage(role=role, name=m.get("name") or "")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"messages[{i}].name", "must be a string", "invalid_type")
+        msg = inference_pb2.ChatMessage(role=role, name=name or "")
         content = m.get("content")
         if isinstance(content, str):
             msg.parts.append(inference_pb2.ChatContentPart(text=content))

@@ -1,0 +1,97 @@
+"""``/v1/files`` (OpenAI Files) translated 1:1 to ``embedmesh.vectorstore.v1.VectorStoreService``.
+
+    POST   /v1/files                  multipart: file, purpose -> file object
+    GET    /v1/files                  ?purpose&limit&order&after -> list
+    GET    /v1/files/{file_id}        -> file object
+    DELETE /v1/files/{file_id}        -> {id, object: "file", deleted: true}
+    GET    /v1/files/{file_id}/content -> the bytes
+
+The service decides what is accepted (text-like files only: plain text, Markdown, JSON; anything else is a 400
+naming the type) and the size cap; the upload streams to it in 1 MiB chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from embedmesh.gateway.errors import bad_request, from_grpc
+from embedmesh.gateway.vector_stores import VectorStoreClient, json_response, list_json, page_request
+from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
+
+__all__ = ["routes"]
+
+_CHUNK = 1 << 20
+
+
+def file_json(f: pb.File) -> dict[str, Any]:
+    return {"id": f.id, "object": "file", "bytes": f.size_bytes, "created_at": f.created_at, "filename": f.filename,
+            "purpose": f.purpose, "status": "processed", "status_details": None, "expires_at": None}
+
+
+def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]:
+    """The ``/v1/files`` routes; pass the same ``client`` as to ``vector_stores.routes`` to share one channel."""
+    vs = client or VectorStoreClient(gateway)
+
+    async def create(request: Request) -> Response:
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request("file", "upload the file as multipart/form-data with fields 'file' and 'purpose'",
+                              "invalid_content_type")
+        async with request.form(max_files=1, max_fields=16) as form:
+            upload = form.get("file")
+            purpose = form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise bad_request("file", "is required (a multipart file field)", "missing")
+            if not isinstance(purpose, str) or not purpose:
+                raise bad_request("purpose", "is required", "missing")
+            header = pb.UploadFileHeader(filename=upload.filename or "", purpose=purpose,
+                                         content_type=upload.content_type or "")
+
+            async def parts() -> AsyncIterator[pb.UploadFileRequest]:
+                yield pb.UploadFileRequest(header=header)
+                while chunk := await upload.read(_CHUNK):
+                    yield pb.UploadFileRequest(chunk=chunk)
+
+            try:
+                r = await vs.stub().UploadFile(parts(), timeout=vs.timeout)
+            except grpc.aio.AioRpcError as e:
+                raise from_grpc(e) from None
+        return json_response(file_json(r.file))
+
+    async def list_files(request: Request) -> Response:
+        req = pb.ListFilesRequest(purpose=request.query_params.get("purpose", ""),
+                                  page=page_request(request, before=False))
+        r = await vs.call("ListFiles", req)
+        return json_response(list_json([file_json(f) for f in r.data], r.page))
+
+    async def retrieve(request: Request) -> Response:
+        r = await vs.call("GetFile", pb.GetFileRequest(file_id=request.path_params["file_id"]))
+        return json_response(file_json(r.file))
+
+    async def delete(request: Request) -> Response:
+        r = await vs.call("DeleteFile", pb.DeleteFileRequest(file_id=request.path_params["file_id"]))
+        return json_response({"id": r.id, "object": "file", "deleted": r.deleted})
+
+    async def content(request: Request) -> Response:
+        fid = request.path_params["file_id"]
+        meta = await vs.call("GetFile", pb.GetFileRequest(file_id=fid))
+        try:
+            data = b"".join([m.chunk async for m in vs.stub().GetFileContent(pb.GetFileContentRequest(file_id=fid),
+                                                                            timeout=vs.timeout)])
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return Response(data, media_type=meta.file.media_type or "application/octet-stream")
+
+    return [
+        Route("/v1/files", create, methods=["POST"]),
+        Route("/v1/files", list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", retrieve, methods=["GET"]),
+        Route("/v1/files/{file_id}", delete, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", content, methods=["GET"]),
+    ]
