@@ -100,6 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cache = Path(env.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
     p.add_argument("--sglang-venv", default=env.get("EMBEDMESH_SGLANG_VENV", str(cache / "venvs" / "sglang-0.5.23")),
                    help="venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang")
+    p.add_argument("--vector-store-port", type=int, default=int(env.get("EMBEDMESH_VECTOR_STORE_PORT", "50101")),
+                   help="vector store port (0 = none)")
+    p.add_argument("--vector-store-data-dir",
+                   default=env.get("EMBEDMESH_VECTOR_STORE_DATA_DIR", str(cache / "vector-store")),
+                   help="where the embedded vector store keeps files, metadata and its index")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -163,6 +168,15 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
                              _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
     gw_addr = f"http://{a.host}:{a.gateway_port}"
     gw_args = ["--host", a.host, "--port", str(a.gateway_port), "--preprocessor", pre_addr]
+    if a.vector_store_port and a.engine != "echo":
+        vs_addr = f"{a.host}:{a.vector_store_port}"
+        vs_args = ["--host", a.host, "--port", str(a.vector_store_port), "--data-dir", a.vector_store_data_dir,
+                   "--inference-addr", pre_addr, "--embedding-model", "all-MiniLM-L6-v2"]
+        if a.metrics_port_base:
+            vs_args += ["--metrics-port", str(a.metrics_port_base + 3)]
+        procs.append(MeshProcess("vector-store", vs_addr,
+                                 _spawn("vector-store", "embedmesh.services.vector_store.main", vs_args, env)))
+        gw_args += ["--vector-store", vs_addr]
     procs.append(MeshProcess("gateway", gw_addr, _spawn("gateway", "embedmesh.gateway.main", gw_args, env)))
     return procs
 

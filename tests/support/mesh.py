@@ -61,7 +61,10 @@ def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
     env: dict[str, str] | None = None,
 ) -> Mesh:
-    gw, pre, router, embed = free_port(), free_port(), free_port(), free_port()
+    gw, pre, router, embed, vs = free_port(), free_port(), free_port(), free_port(), free_port()
+    import tempfile
+
+    vs_dir = tempfile.mkdtemp(prefix="embedmesh-vs-")
     first = free_port()
     ports = [first + i for i in range(workers)]
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
@@ -69,12 +72,13 @@ def start_mesh(
     metrics_base = random.randrange(20000, 60000, 100)
     cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
            "--metrics-port-base", str(metrics_base), "--router-port", str(router),
-           "--embed-worker-port", str(embed),
+           "--embed-worker-port", str(embed), "--vector-store-port", str(vs), "--vector-store-data-dir", vs_dir,
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
     mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base, "router": f"127.0.0.1:{router}",
-                                                   "embed_worker": f"127.0.0.1:{embed}"})
+                                                   "embed_worker": f"127.0.0.1:{embed}",
+                                                   "vector_store": f"127.0.0.1:{vs}"})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

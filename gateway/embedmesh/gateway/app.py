@@ -213,7 +213,11 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
         finally:
             await gw.close()
 
-    plugged: list[Route] = []
+    # Files and vector stores share one client to the VectorStoreService (501 when --vector-store is unset).
+    from embedmesh.gateway import files, vector_stores
+
+    vs_client = vector_stores.VectorStoreClient(gw)
+    plugged: list[Route] = [*files.routes(gw, vs_client), *vector_stores.routes(gw, vs_client)]
     for extra in extra_routes:
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []

@@ -51,10 +51,12 @@ class EchoEngine(Engine):
                     yield GenerationDelta("", (), i - 1, FinishReason.ABORT)
                     return
                 self._stats.generated_tokens += 1
+                if i == n:
+                    # Counted before the last delta leaves: the caller may close the stream right after it.
+                    self._stats.completed_requests += 1
                 yield GenerationDelta("x", (87,), i, FinishReason.LENGTH if i == n else None)
                 if i % 64 == 0:
                     await asyncio.sleep(0)
-            self._stats.completed_requests += 1
         finally:
             self._running.discard(rid)
             self._aborted.discard(rid)
