@@ -1,0 +1,7 @@
+"""The vector store service: OpenAI Files + Vector Stores over the mesh's embeddings, with an embedded hnswlib
+index on disk (default) or PostgreSQL + pgvector."""
+
+from embedmesh.services.vector_store.config import VectorStoreConfig
+from embedmesh.services.vector_store.vector_stores import VectorStores, build
+
+__all__ = ["VectorStoreConfig", "VectorStores", "build"]

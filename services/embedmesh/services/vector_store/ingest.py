@@ -1,0 +1,141 @@
+"""Background ingestion: chunk -> embed (batches) -> commit chunks and ``completed`` atomically -> index.
+
+One asyncio task per store file, at most ``concurrency`` running at once. Progress (chunks_done / chunks_total) is
+written after every embedded batch and logged. Failures mark the file ``failed`` with OpenAI's ``last_error`` codes
+(``invalid_file`` for unusable content, ``server_error`` for the embedding service or the index). A cancelled task
+writes nothing. A process that dies mid-file leaves it ``in_progress`` with no chunks; ``requeue`` at start-up picks
+it up again (or marks it failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable
+from embedmesh.core.logs import get_logger
+from embedmesh.services.vector_store.chunking import TokenCounter, chunk_text
+from embedmesh.services.vector_store.embedder import Embedder
+from embedmesh.services.vector_store.files import decode_text
+from embedmesh.services.vector_store.index.base import VectorIndex
+from embedmesh.services.vector_store.store import MetadataStore, PendingFile
+
+__all__ = ["Ingestor"]
+
+log = get_logger(__name__)
+
+
+class Ingestor:
+    def __init__(self, store: MetadataStore, index: VectorIndex, embedder: Embedder, tokenizer: TokenCounter,
+                 concurrency: int = 2, retries: int = 4, retry_delay_seconds: float = 1.0) -> None:
+        self.store = store
+        self.index = index
+        self.embedder = embedder
+        self.tokenizer = tokenizer
+        self._sem = asyncio.Semaphore(concurrency)
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.retries = retries
+        self.retry_delay = retry_delay_seconds
+
+    def submit(self, p: PendingFile) -> None:
+        """Start (or restart) ingesting a store file in the background."""
+        self.cancel(p.store_id, p.file_id)
+        key = (p.store_id, p.file_id)
+        task = asyncio.create_task(self._run(p), name=f"ingest {p.store_id}/{p.file_id}")
+        self._tasks[key] = task
+        task.add_done_callback(lambda t, key=key: self._tasks.pop(key, None) if self._tasks.get(key) is t else None)
+
+    def cancel(self, store_id: str, file_id: str) -> None:
+        task = self._tasks.pop((store_id, file_id), None)
+        if task is not None:
+            task.cancel()
+
+    def cancel_store(self, store_id: str) -> None:
+        for s, f in list(self._tasks):
+            if s == store_id:
+                self.cancel(s, f)
+
+    def cancel_file(self, file_id: str) -> None:
+        for s, f in list(self._tasks):
+            if f == file_id:
+                self.cancel(s, f)
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    async def requeue(self, retry: bool) -> int:
+        """Files left in progress by a previous process: ingest them again (retry) or mark them failed."""
+        pending = await self.store.db.run(self.store.pending)
+        for p in pending:
+            if retry:
+                log.info("re-queueing a file left in progress", extra={"store": p.store_id, "file": p.file_id})
+                self.submit(p)
+            else:
+                await self.store.db.run(self.store.fail, p, "server_error",
+                                        "the service stopped while ingesting this file; add it again")
+        return len(pending)
+
+    async def _embed(self, texts: list[str]) -> np.ndarray:
+        for attempt in range(self.retries + 1):
+            try:
+                return await self.embedder.embed_batch(texts)
+            except Unavailable:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.retry_delay * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _run(self, p: PendingFile) -> None:
+        async with self._sem:
+            db = self.store.db
+            t0 = time.perf_counter()
+            try:
+                if not await db.run(self.store.is_current, p):
+                    return
+                f = await db.run(self.store.get_file, p.file_id)
+                content = await db.run(self.store.file_content, p.file_id)
+                text = decode_text(content, f.media_type)
+                chunks = await asyncio.to_thread(chunk_text, text, p.chunking, self.tokenizer)
+                if not chunks:
+                    raise InvalidArgument("the file holds no text to index", field="file", reason="EMPTY_FILE")
+                total = len(chunks)
+                await db.run(self.store.set_progress, p, 0, total)
+                parts: list[np.ndarray] = []
+                done = 0
+                bs = self.embedder.batch_size
+                for i in range(0, total, bs):
+                    parts.append(await self._embed([c.text for c in chunks[i:i + bs]]))
+                    done = min(total, i + bs)
+                    await db.run(self.store.set_progress, p, done, total)
+                    log.info("ingest progress", extra={"store": p.store_id, "file": p.file_id, "chunks_done": done,
+                                                       "chunks_total": total})
+                vectors = np.concatenate(parts)
+                ids = await db.run(self.store.complete, p, chunks, vectors)
+                if ids is None:
+                    log.info("ingest dropped: the file was cancelled, removed or re-added",
+                             extra={"store": p.store_id, "file": p.file_id})
+                    return
+                await self.index.added(p.store_id, p.file_id, ids, vectors)
+                log.info("ingest completed", extra={"store": p.store_id, "file": p.file_id, "chunks": total,
+                                                    "seconds": round(time.perf_counter() - t0, 3)})
+            except asyncio.CancelledError:
+                log.info("ingest cancelled", extra={"store": p.store_id, "file": p.file_id})
+                raise
+            except InvalidArgument as e:
+                await db.run(self.store.fail, p, "invalid_file", e.message)
+                log.warning("ingest failed", extra={"store": p.store_id, "file": p.file_id, "error": e.message})
+            except EmbedmeshError as e:
+                await db.run(self.store.fail, p, "server_error", e.message)
+                log.warning("ingest failed", extra={"store": p.store_id, "file": p.file_id, "error": e.message})
+            except Exception as e:  # noqa: BLE001 - a background task must record its failure, not vanish
+                log.exception("ingest crashed", extra={"store": p.store_id, "file": p.file_id})
+                await db.run(self.store.fail, p, "server_error", f"internal error: {type(e).__name__}")
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
