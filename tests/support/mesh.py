@@ -59,7 +59,7 @@ class Mesh:
 
 def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, extra_args: list[str] | None = None,
 ) -> Mesh:
     gw, pre, router, embed, vs = free_port(), free_port(), free_port(), free_port(), free_port()
     import tempfile
@@ -73,6 +73,7 @@ def start_mesh(
     cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
            "--metrics-port-base", str(metrics_base), "--router-port", str(router),
            "--embed-worker-port", str(embed), "--vector-store-port", str(vs), "--vector-store-data-dir", vs_dir,
+           *(extra_args or []),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})

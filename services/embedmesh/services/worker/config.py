@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["WorkerConfig", "ENGINES"]
 
-ENGINES = ("hf", "hf-embed", "sglang", "echo")
+ENGINES = ("hf", "hf-embed", "vllm", "sglang", "echo")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class WorkerConfig:
     """Address the router hands out for this worker (default host:port)."""
     block_size: int = 16
     """Positions per KV block for routing hashes; must match the preprocessor's."""
+    max_model_len: int = 4096
+    """vllm worker: context length vLLM reserves KV cache for."""
+    gpu_memory_utilization: float = 0.9
+    """vllm worker: fraction of GPU memory for weights and KV cache (GPU only)."""
+    tensor_parallel_size: int = 1
+    """vllm worker: GPUs per worker (GPU only)."""
     sglang_task: str = "embed"
     """sglang worker: "embed" (CPU or GPU) or "generate" (GPU only)."""
     sglang_device: str = "cpu"
@@ -81,6 +87,10 @@ class WorkerConfig:
         p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
         p.add_argument("--advertise", default=env.get("EMBEDMESH_WORKER_ADVERTISE", ""))
         p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
+        p.add_argument("--max-model-len", type=int, default=int(env.get("EMBEDMESH_VLLM_MAX_MODEL_LEN", 4096)))
+        p.add_argument("--gpu-memory-utilization", type=float,
+                       default=float(env.get("EMBEDMESH_VLLM_GPU_MEMORY_UTILIZATION", 0.9)))
+        p.add_argument("--tensor-parallel-size", type=int, default=int(env.get("EMBEDMESH_VLLM_TP", 1)))
         p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))
         p.add_argument("--sglang-device", default=env.get("EMBEDMESH_SGLANG_DEVICE", cls.sglang_device))
         p.add_argument("--sglang-max-total-tokens", type=int,

@@ -26,6 +26,16 @@ def build_engine(config: WorkerConfig) -> Engine:
         from embedmesh.services.worker.engines.echo import EchoEngine
 
         return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
+    if config.engine == "vllm":
+        from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
+        from embedmesh.services.worker.engines.vllm_engine import VLLMConfig, VLLMEngine
+
+        path = resolve_model_path(config.model)
+        name = config.served_name or (DEFAULT_MODEL if config.model in ("default", DEFAULT_MODEL) else path.name)
+        return VLLMEngine(VLLMConfig(path, name, dtype=config.dtype, max_model_len=config.max_model_len,
+                                     gpu_memory_utilization=config.gpu_memory_utilization,
+                                     tensor_parallel_size=config.tensor_parallel_size,
+                                     max_num_seqs=config.max_batch_size))
     if config.engine == "sglang":
         from embedmesh.services.worker.engines.sglang_engine import from_worker_config
 
