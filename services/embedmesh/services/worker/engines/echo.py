@@ -24,7 +24,7 @@ __all__ = ["EchoEngine"]
 class EchoEngine(Engine):
     """Answers every request with "x" × max_tokens, one delta per token."""
 
-    def __init__(self, served_name: str = "echo", hidden_size: int = 576, max_context_tokens: int = 8192) -> None:
+    def __init__(self, served_name: str = "echo", hidden_size: int = 576, max_context_tokens: int = 1 << 20) -> None:
         self._info = ModelInfo(served_name, "echo", hidden_size, max_context_tokens, "float32", 49152, 256)
         self._stats = EngineStats()
         self._running: set[str] = set()
