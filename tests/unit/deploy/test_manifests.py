@@ -1,116 +1,219 @@
-"""Deployment artefacts checked for real here: every kustomize overlay renders (kubectl's kustomize) and every
-object validates against the Kubernetes schema (kubernetes-validate, strict); gRPC Deployments probe
-grpc.health.v1 with their service name and drain on preStop; every Envoy config passes `envoy --mode validate`;
-generated files match their one source; Dockerfiles pass hadolint; the dashboard only uses exported metrics."""
+"""The Kubernetes manifests, checked for real: every overlay renders with kubectl's kustomize, every rendered object
+validates (strict) against pinned Kubernetes schemas, and the objects say what deploy/mesh.yaml says (probes on the
+right port and health name, drain on preStop, the Envoy sidecar, budgets, autoscalers, headless Services)."""
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
-BIN = Path(sys.executable).parent
-OVERLAYS = ["cpu-demo", "gpu"]
+from tests.unit.deploy._support import (
+    DEPLOY,
+    K8S_VERSIONS,
+    OVERLAYS,
+    by_kind,
+    envoy_configs,
+    grpc_services,
+    mesh,
+    render,
+    workloads,
+)
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
-    out = subprocess.run([str(BIN / "kubectl"), "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+def _pod(workload: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return spec
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_renders_and_validates(overlay: str) -> None:
-    import kubernetes_validate
-
-    docs = render(overlay)
-    kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "Service", "StatefulSet", "ConfigMap", "PodDisruptionBudget",
-            "HorizontalPodAutoscaler", "Namespace"} <= kinds
-    for d in docs:
-        kubernetes_validate.validate(d, "1.33.0", strict=True)
-        assert d["metadata"].get("namespace", "embedmesh") == "embedmesh" or d["kind"] == "Namespace"
+def _app(name: str, workload: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in _pod(workload)["containers"] if c["name"] == name)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grpc_deployments_have_probes_and_drain(overlay: str) -> None:
-    docs = render(overlay)
-    services = yaml.safe_load((ROOT / "deploy/envoy/services.yaml").read_text())["services"]
-    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    assert set(deployments) == set(services)
-    for name, dep in deployments.items():
-        app = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name)
-        assert app["lifecycle"]["preStop"], name
-        if services[name].get("http"):
-            assert app["readinessProbe"]["httpGet"]["path"] == "/health"
-            continue
-        assert app["readinessProbe"]["grpc"] == {"port": services[name]["port"], "service": services[name]["health"]}
-        assert app["livenessProbe"]["grpc"]["port"] == services[name]["port"]
-        envoy = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "envoy")
-        assert envoy["image"].startswith("envoyproxy/envoy:")
-
-
-def test_gpu_overlay_requests_gpus() -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in render("gpu")}
-    for name in ("worker", "worker-embed"):
-        c = docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert "vllm" in docs[("Deployment", "worker")]["spec"]["template"]["spec"]["containers"][0]["args"]
-
-
-@pytest.mark.parametrize("script", ["deploy/envoy/generate.py", "deploy/k8s/generate.py"])
-def test_generated_files_match_their_source(script: str) -> None:
-    r = subprocess.run([sys.executable, str(ROOT / script), "--check"], capture_output=True, text=True, timeout=60)
+def test_base_manifests_are_generated_from_mesh_yaml() -> None:
+    r = subprocess.run([sys.executable, str(DEPLOY / "k8s" / "generate.py"), "--check"], capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "deploy/k8s/base/envoy").glob("*.yaml")), ids=lambda p: p.stem)
-def test_envoy_configs_validate(config: Path) -> None:
-    r = subprocess.run([str(BIN / "envoy"), "--mode", "validate", "-c", str(config)], capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_every_kind(overlay: str) -> None:
+    kinds = {d["kind"] for d in render(overlay)}
+    assert {"Namespace", "Deployment", "StatefulSet", "Service", "ConfigMap", "Secret", "PodDisruptionBudget",
+            "HorizontalPodAutoscaler"} <= kinds
 
 
-def test_envoy_retries_only_idempotent_rpcs() -> None:
-    cfg = yaml.safe_load((ROOT / "deploy/k8s/base/envoy/gateway.yaml").read_text())
-    routes = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
-    retried = {r["match"].get("path") for r in routes if "retry_policy" in r["route"]}
-    assert "/embedmesh.inference.v1.InferenceService/ListModels" in retried
-    assert not any("Complete" in p or "Chat" in p for p in retried if p)
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_object_validates(overlay: str, version: str) -> None:
+    import kubernetes_validate
+
+    failures = []
+    for doc in render(overlay):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            failures.append(f"{doc['kind']}/{doc['metadata']['name']}: {err.message}")
+    assert not failures, failures
 
 
-@pytest.mark.parametrize("dockerfile", sorted((ROOT / "deploy/docker").glob("Dockerfile.*")), ids=lambda p: p.name)
-def test_dockerfiles_lint_clean(dockerfile: Path) -> None:
-    r = subprocess.run([str(BIN / "hadolint"), "--ignore", "DL3008", str(dockerfile)], capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 0, r.stdout
-    text = dockerfile.read_text()
-    assert "USER 10001" in text
-    if dockerfile.name == "Dockerfile.services":
-        assert "torch==" not in text and "[hf]" not in text
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_everything_lands_in_the_namespace_the_envoy_configs_resolve(overlay: str) -> None:
+    ns = mesh()["namespace"]
+    for doc in render(overlay):
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == ns, doc["metadata"]["name"]
+    assert set(by_kind(render(overlay), "Namespace")) == {ns}
 
 
-def test_dashboard_uses_only_exported_metrics() -> None:
-    dash = json.loads((ROOT / "deploy/grafana/embedmesh.json").read_text())
-    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"embedmesh_[a-z_]+", t["expr"])}
-    source = "\n".join(p.read_text() for p in (ROOT / "services").rglob("*.py")) + \
-        "\n".join(p.read_text() for p in (ROOT / "gateway").rglob("*.py"))
-    defined = set(re.findall(r'"(embedmesh_[a-z_]+)"', source))
-    suffixes = ("_bucket", "_total", "_sum", "_count")
-    missing = set()
-    for m in used:
-        base = m
-        for s in suffixes:
-            if m.endswith(s) and m[: -len(s)] in defined:
-                base = m[: -len(s)]
-        if base not in defined and m not in defined:
-            missing.add(m)
-    assert not missing, missing
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_workload_and_service_per_mesh_service(overlay: str) -> None:
+    docs = render(overlay)
+    names = set(mesh()["services"])
+    assert names <= set(workloads(docs))
+    assert names <= set(by_kind(docs, "Service"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grpc_workloads_probe_their_health_name_and_drain(overlay: str) -> None:
+    found = workloads(render(overlay))
+    for name in grpc_services():
+        svc = mesh()["services"][name]
+        app = _app(name, found[name])
+        want = {"port": svc["port"], "service": svc["health"]}
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert app[probe]["grpc"] == want, (name, probe)
+        # Liveness must outlast a NOT_SERVING spell (a preprocessor without workers is alive, not broken).
+        live = app["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 60, name
+        sleep = app["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert sleep >= 5, name
+        assert _pod(found[name])["terminationGracePeriodSeconds"] >= sleep + 10, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_probes_http_and_drains(overlay: str) -> None:
+    app = _app("gateway", workloads(render(overlay))["gateway"])
+    assert app["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "tcpSocket" in app["livenessProbe"]
+    assert app["lifecycle"]["preStop"]["sleep"]["seconds"] >= 5
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_runs_a_native_envoy_sidecar_with_its_generated_config(overlay: str) -> None:
+    docs = render(overlay)
+    config_maps = by_kind(docs, "ConfigMap")
+    for name in mesh()["services"]:
+        pod = _pod(workloads(docs)[name])
+        envoy = next(c for c in pod["initContainers"] if c["name"] == "envoy")
+        assert envoy["restartPolicy"] == "Always"  # started before the app, stopped after it
+        assert envoy["image"] == mesh()["envoy"]["image"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "envoy-config")
+        config = config_maps[volume["configMap"]["name"]]  # the kustomize hash suffix resolved
+        generated = (DEPLOY / "envoy" / "generated" / f"{name}.yaml").read_text()
+        assert config["data"]["envoy.yaml"] == generated, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_as_non_root(overlay: str) -> None:
+    for name, workload in workloads(render(overlay)).items():
+        pod = _pod(workload)
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert "resources" in c and c["resources"]["requests"] and c["resources"]["limits"], (name, c["name"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_budgets_and_autoscalers(overlay: str) -> None:
+    docs = render(overlay)
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    for name, workload in workloads(docs).items():
+        if name in mesh()["services"]:
+            assert budgets[name]["spec"]["selector"]["matchLabels"] == workload["spec"]["selector"]["matchLabels"]
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    assert set(hpas) == {"gateway", "preprocessor"}
+    for name, hpa in hpas.items():
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
+        assert "replicas" not in workloads(docs)[name]["spec"]  # the HPA owns the count
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_envoy_cluster_resolves_a_headless_service(overlay: str) -> None:
+    """Each STRICT_DNS cluster names <svc>-headless.<ns>.svc.cluster.local:<port>: that Service must exist, be
+    headless (one A record per pod, so Envoy balances per pod) and select pods whose sidecar listens there."""
+    docs = render(overlay)
+    services = by_kind(docs, "Service")
+    for path in envoy_configs():
+        for cluster in yaml.safe_load(path.read_text())["static_resources"]["clusters"]:
+            if cluster["type"] != "STRICT_DNS":
+                continue
+            addr = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+            host, port = addr["socket_address"]["address"], addr["socket_address"]["port_value"]
+            svc_name, ns = host.split(".")[:2]
+            assert ns == mesh()["namespace"]
+            svc = services[svc_name]
+            assert svc["spec"]["clusterIP"] == "None", svc_name
+            assert port in [p["port"] for p in svc["spec"]["ports"]], (svc_name, port)
+            target = next(w for w in workloads(docs).values()
+                          if w["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"])
+            sidecar_ports = [p["containerPort"] for c in _pod(target)["initContainers"] for p in c["ports"]]
+            assert port in sidecar_ports, (svc_name, port)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_stream_to_every_router_replica(overlay: str) -> None:
+    docs = render(overlay)
+    router = by_kind(docs, "StatefulSet")["router"]
+    assert router["spec"]["serviceName"] == "router-headless"
+    ns = mesh()["namespace"]
+    config = next(c for n, c in by_kind(docs, "ConfigMap").items() if n.startswith("embedmesh-worker-"))
+    routers = config["data"]["EMBEDMESH_ROUTERS"].split(",")
+    assert routers == [f"router-{i}.router-headless.{ns}.svc.cluster.local:{mesh()['services']['router']['port']}"
+                       for i in range(router["spec"]["replicas"])]
+    worker = _app("worker", workloads(docs)["worker"])
+    assert {"configMapRef": {"name": config["metadata"]["name"]}} in worker["envFrom"]
+
+
+def test_gpu_overlay_runs_vllm_and_sglang_on_gpus() -> None:
+    found = workloads(render("gpu"))
+    for name, image, engine in (("worker", "embedmesh/worker-vllm", "vllm"),
+                                ("worker-embed", "embedmesh/worker-sglang", "sglang")):
+        app = _app(name, found[name])
+        assert app["image"].startswith(image + ":")
+        assert app["args"][app["args"].index("--engine") + 1] == engine
+        assert app["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert app["resources"]["requests"]["nvidia.com/gpu"] == "1"
+        assert any(v["mountPath"] == "/models" and v.get("readOnly") for v in app["volumeMounts"])
+        assert _app(name, found[name])["readinessProbe"]["grpc"]["service"] == mesh()["services"][name]["health"]
+
+
+def test_cpu_demo_requests_no_gpu_and_runs_one_of_each() -> None:
+    docs = render("cpu-demo")
+    for name, workload in workloads(docs).items():
+        for c in _pod(workload)["containers"]:
+            assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), name
+        assert workload["spec"].get("replicas", 1) == 1, name
+    assert all(h["spec"]["minReplicas"] == 1 for h in by_kind(docs, "HorizontalPodAutoscaler").values())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_and_postgres_keep_their_data_on_volumes(overlay: str) -> None:
+    sets = by_kind(render(overlay), "StatefulSet")
+    for name in ("redis", "postgres"):
+        claims = sets[name]["spec"]["volumeClaimTemplates"]
+        assert claims and claims[0]["spec"]["resources"]["requests"]["storage"], name
+    assert sets["postgres"]["spec"]["template"]["spec"]["containers"][0]["image"].startswith("pgvector/pgvector:")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_are_the_four_built_here(overlay: str) -> None:
+    ours = {c["image"].split(":")[0] for w in workloads(render(overlay)).values() for c in _pod(w)["containers"]
+            if c["image"].startswith("embedmesh/")}
+    kinds = {"embedmesh/services", "embedmesh/worker-hf", "embedmesh/worker-vllm", "embedmesh/worker-sglang"}
+    assert ours <= kinds
+    for image in kinds:
+        assert (DEPLOY / "docker" / f"Dockerfile.{image.split('/')[1]}").is_file()
