@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import signal
 import time
 import uuid
@@ -50,8 +51,8 @@ class ServerOptions:
     """TCP port; 0 picks a free one (the bound port is on ``Server.port``)."""
     max_message_bytes: int = 512 * MiB
     """Largest gRPC message sent or received (gRPC's own default is 4 MiB)."""
-    grace_seconds: float = 5.0
-    """How long in-flight calls may finish after a drain starts."""
+    grace_seconds: float = float(os.environ.get("EMBEDMESH_DRAIN_GRACE_SECONDS", "5"))
+    """How long in-flight calls may finish after a drain starts (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 = none."""
 
