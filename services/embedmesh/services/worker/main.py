@@ -35,7 +35,7 @@ def build_engine(config: WorkerConfig) -> Engine:
         return VLLMEngine(VLLMConfig(path, name, dtype=config.dtype, max_model_len=config.max_model_len,
                                      gpu_memory_utilization=config.gpu_memory_utilization,
                                      tensor_parallel_size=config.tensor_parallel_size,
-                                     max_num_seqs=config.max_batch_size))
+                                     max_num_seqs=config.max_batch_size, enable_lora=config.enable_lora))
     if config.engine == "sglang":
         from embedmesh.services.worker.engines.sglang_engine import from_worker_config
 

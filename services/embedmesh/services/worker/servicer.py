@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -62,6 +63,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      field="model", reason="WRONG_TASK") from None
         return worker_pb2.EmbedResponse(embeddings=tensors.from_numpy(vectors), prompt_tokens=sum(tokens),
                                         input_tokens=tokens)
+
+    async def _admin(self, what: str, call: Any) -> Any:
+        try:
+            return await call
+        except NotImplementedError:
+            raise FailedPrecondition(f"{what} is not supported by the {self.engine.info().engine} engine",
+                                     reason="UNSUPPORTED_BY_ENGINE") from None
+
+    async def LoadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        if not request.name or not request.path:
+            field = "name" if not request.name else "path"
+            raise InvalidArgument(f"{field} is required", field=field, reason="REQUIRED")
+        loaded = await self._admin("LoRA", self.engine.load_lora(request.name, request.path))
+        return worker_pb2.LoadLoraAdapterResponse(loaded=loaded)
+
+    async def UnloadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return worker_pb2.UnloadLoraAdapterResponse(
+            unloaded=await self._admin("LoRA", self.engine.unload_lora(request.name)))
+
+    async def ListLoraAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        adapters = await self._admin("LoRA", self.engine.list_loras())
+        return worker_pb2.ListLoraAdaptersResponse(
+            adapters=[worker_pb2.LoraAdapter(name=n, path=p) for n, p in sorted(adapters.items())])
+
+    async def Sleep(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        if request.level not in (1, 2):
+            raise InvalidArgument("level must be 1 or 2", field="level", reason="OUT_OF_RANGE")
+        await self._admin("sleep", self.engine.sleep(request.level))
+        return worker_pb2.SleepResponse()
+
+    async def WakeUp(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await self._admin("wake up", self.engine.wake_up())
+        return worker_pb2.WakeUpResponse()
+
+    async def ClearKvBlocks(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        return worker_pb2.ClearKvBlocksResponse(cleared=await self._admin("clearing KV blocks",
+                                                                          self.engine.clear_kv_blocks()))
 
     async def GetStats(  # noqa: N802
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -67,6 +67,8 @@ class GenerationRequest:
     request_id: str
     segments: list[Segment]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    lora_adapter: str = ""
+    """A loaded LoRA adapter's name; empty = the base model."""
 
     @property
     def prompt_len(self) -> int:
@@ -139,6 +141,27 @@ class Engine(ABC):
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release the engine."""
+
+    # --- admin (optional; engines without them answer FAILED_PRECONDITION through the servicer) -------------
+    async def load_lora(self, name: str, path: str) -> bool:
+        """Load an adapter; False when it was already loaded."""
+        raise NotImplementedError
+
+    async def unload_lora(self, name: str) -> bool:
+        raise NotImplementedError
+
+    async def list_loras(self) -> dict[str, str]:
+        """name -> folder."""
+        raise NotImplementedError
+
+    async def sleep(self, level: int) -> None:
+        raise NotImplementedError
+
+    async def wake_up(self) -> None:
+        raise NotImplementedError
+
+    async def clear_kv_blocks(self) -> bool:
+        raise NotImplementedError
 
     async def embed(self, inputs: list[str | list[int]],
                     dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
@@ -62,6 +62,12 @@ class VLLMConfig:
     """Most sequences scheduled together."""
     ready_timeout_seconds: float = 300.0
     """How long a request may wait for the engine to finish loading."""
+    enable_lora: bool = False
+    """Allow LoRA adapters (LoadLoraAdapter)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted."""
+    max_loras: int = 4
+    """Adapters usable in one batch."""
 
 
 class VLLMEngine(Engine):
@@ -73,6 +79,11 @@ class VLLMEngine(Engine):
         self._stats = EngineStats()
         self._running: set[str] = set()
         self._embed_table: Any = None
+        self._loras: dict[str, tuple[int, str]] = {}
+        """name -> (vLLM's integer id, folder)."""
+        self._lora_loading: dict[str, asyncio.Future[bool]] = {}
+        self._next_lora_id = 1
+        self._asleep = False
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -84,6 +95,9 @@ class VLLMEngine(Engine):
             enable_prompt_embeds=True, enable_prefix_caching=True, max_num_seqs=self.config.max_num_seqs,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             tensor_parallel_size=self.config.tensor_parallel_size, disable_log_stats=False,
+            enable_lora=self.config.enable_lora,
+            **({"max_lora_rank": self.config.max_lora_rank, "max_loras": self.config.max_loras}
+               if self.config.enable_lora else {}),
         )
         self._engine = AsyncLLM.from_engine_args(args)
         mc = self._engine.model_config
@@ -164,6 +178,18 @@ class VLLMEngine(Engine):
         except TimeoutError:
             raise Unavailable("the vLLM engine did not become ready in time; retry later") from None
         info = self.info()
+        if self._asleep:
+            raise Unavailable("the worker is asleep (Sleep); call WakeUp or use another worker",
+                              reason="WORKER_ASLEEP")
+        lora = None
+        if request.lora_adapter:
+            if request.lora_adapter not in self._loras:
+                raise InvalidArgument(f"lora_adapter {request.lora_adapter!r} is not loaded on this worker",
+                                      field="lora_adapter", reason="LORA_NOT_LOADED")
+            from vllm.lora.request import LoRARequest
+
+            lid, path = self._loras[request.lora_adapter]
+            lora = LoRARequest(request.lora_adapter, lid, path)
         if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
             raise InvalidArgument(
                 f"prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the context of "
@@ -173,7 +199,8 @@ class VLLMEngine(Engine):
         finished = False
         generated = 0
         try:
-            async for out in self._engine.generate(self._prompt(request), self._sampling(request), rid):
+            async for out in self._engine.generate(self._prompt(request), self._sampling(request), rid,
+                                                   lora_request=lora):
                 c = out.outputs[0]
                 generated += len(c.token_ids)
                 finish = _FINISH.get(c.finish_reason) if out.finished else None
@@ -201,6 +228,64 @@ class VLLMEngine(Engine):
         await self._engine.abort(request_id)
         return True
 
-    async def reset_prefix_cache(self) -> None:
-        """Clear cached KV blocks (admin)."""
-        await self._engine.reset_prefix_cache()
+    # --- admin ----------------------------------------------------------------------------------------------
+    async def clear_kv_blocks(self) -> bool:
+        await asyncio.wait_for(self._ready.wait(), self.config.ready_timeout_seconds)
+        return bool(await self._engine.reset_prefix_cache())
+
+    async def load_lora(self, name: str, path: str) -> bool:
+        """Load once: concurrent calls for one name share the first call's result."""
+        if not self.config.enable_lora:
+            raise FailedPrecondition("LoRA is disabled on this worker; start it with --enable-lora",
+                                     field="name", reason="LORA_DISABLED")
+        if name in self._loras:
+            return False
+        pending = self._lora_loading.get(name)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return False
+        if not (Path(path) / "adapter_config.json").exists():
+            raise InvalidArgument(f"path: no adapter_config.json in {path!r}", field="path", reason="NOT_AN_ADAPTER")
+        from vllm.lora.request import LoRARequest
+
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._lora_loading[name] = future
+        try:
+            lid = self._next_lora_id
+            self._next_lora_id += 1
+            await self._engine.add_lora(LoRARequest(name, lid, path))
+            self._loras[name] = (lid, path)
+            self.lora_loads = getattr(self, "lora_loads", 0) + 1
+            future.set_result(True)
+            return True
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()
+            raise
+        finally:
+            del self._lora_loading[name]
+
+    async def unload_lora(self, name: str) -> bool:
+        if name not in self._loras:
+            return False
+        lid, _ = self._loras.pop(name)
+        await self._engine.remove_lora(lid)
+        return True
+
+    async def list_loras(self) -> dict[str, str]:
+        return {name: path for name, (_, path) in self._loras.items()}
+
+    async def sleep(self, level: int) -> None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            raise FailedPrecondition(f"sleep mode is not available on {current_platform.device_type} in vLLM "
+                                     "(it needs CUDA's memory pool); the worker keeps serving",
+                                     reason="SLEEP_UNSUPPORTED")
+        await self._engine.sleep(level)
+        self._asleep = True
+
+    async def wake_up(self) -> None:
+        if self._asleep:
+            await self._engine.wake_up()
+            self._asleep = False
