@@ -77,11 +77,12 @@ def _app_container(name: str, svc: dict[str, Any], mesh: dict[str, Any]) -> dict
     startup_failures = max(1, int(svc.get("startup_seconds", 60)) // 5)
     if grpc:
         health = svc["health"]
-        # Startup covers loading (NOT_SERVING until the model or the workers are there); then readiness takes the
-        # pod out of the Services at the first NOT_SERVING, and liveness restarts it only after a minute of it.
+        # Startup covers loading (NOT_SERVING until the model or the workers are there); readiness takes the pod
+        # out of the Services at the first NOT_SERVING; liveness asks embedmesh.Liveness, SERVING while the process
+        # runs, so a preprocessor waiting for its workers is not restarted for it.
         container["startupProbe"] = _grpc_probe(port, health, 5, startup_failures)
         container["readinessProbe"] = _grpc_probe(port, health, 5, 2)
-        container["livenessProbe"] = _grpc_probe(port, health, 10, 6)
+        container["livenessProbe"] = _grpc_probe(port, "embedmesh.Liveness", 10, 3)
     else:
         container["startupProbe"] = {"tcpSocket": {"port": port}, "periodSeconds": 2, "failureThreshold": 30}
         container["readinessProbe"] = {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5,

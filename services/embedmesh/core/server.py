@@ -34,7 +34,11 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "ErrorInterceptor"]
+__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "ErrorInterceptor", "LIVENESS"]
+
+LIVENESS = "embedmesh.Liveness"
+"""Health name that is SERVING while the process runs (for liveness probes): readiness names go NOT_SERVING
+when a dependency is missing, and restarting the process would not bring that dependency back."""
 
 log = get_logger(__name__)
 
@@ -235,6 +239,7 @@ class Server:
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self.options.host}:{self.options.port}")
         await self.set_serving(False)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._server.start()
         if self.options.metrics_port:
             from prometheus_client import start_http_server

@@ -119,3 +119,21 @@ async def test_drain_flips_health_and_stops() -> None:
     await server.drain()
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
     await server.wait_for_termination()
+
+
+async def test_liveness_name_stays_serving_while_readiness_flips() -> None:
+    from embedmesh.core.server import LIVENESS
+
+    server = Server("live", ServerOptions(port=0, grace_seconds=0.1))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Scripted(), "embedmesh.worker.v1.WorkerService")
+    await server.start()
+    channel = insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    for serving in (False, True, False):
+        await server.set_serving(serving)
+        live = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS))
+        ready = await health.Check(health_pb2.HealthCheckRequest(service="embedmesh.worker.v1.WorkerService"))
+        assert live.status == health_pb2.HealthCheckResponse.SERVING
+        assert (ready.status == health_pb2.HealthCheckResponse.SERVING) == serving
+    await channel.close()
+    await server.drain()
