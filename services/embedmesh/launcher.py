@@ -74,6 +74,14 @@ def stop_all(procs: list[MeshProcess], grace: float = 10.0) -> None:
             p.proc.wait()
 
 
+def _engine_venv(flag: str, venv: str, target: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The interpreter of an engine's own venv, and an env that imports this checkout from source there."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{flag} needs the venv at {venv}; run `make {target}`")
+    return str(python), {**env, "PYTHONPATH": _source_path()}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ
     p = argparse.ArgumentParser(
@@ -150,10 +158,8 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
                 i_model = args.index("--model") + 1
                 args[i_model] = str(ensure_default_model())
                 args += ["--served-name", DEFAULT_MODEL]
-            python = str(Path(a.vllm_venv) / "bin" / "python")
-            if not Path(python).exists():
-                raise SystemExit(f"--engine vllm needs the vLLM venv at {a.vllm_venv}; run `make vllm-venv`")
-            worker_env = {"VLLM_CPU_KVCACHE_SPACE": "1", **env, "PYTHONPATH": _source_path()}
+            python, worker_env = _engine_venv("--engine vllm", a.vllm_venv, "vllm-venv",
+                                              {"VLLM_CPU_KVCACHE_SPACE": "1", **env})
         proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, worker_env, python)
         procs.append(MeshProcess(f"worker-{i}", addr, proc))
     if a.embed_worker_port and a.engine != "echo":
@@ -164,11 +170,7 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
             args += ["--metrics-port", str(a.metrics_port_base + 9)]
         python, worker_env = sys.executable, env
         if a.embed_engine == "sglang":
-            python = str(Path(a.sglang_venv) / "bin" / "python")
-            if not Path(python).exists():
-                raise SystemExit(f"--embed-engine sglang needs the SGLang venv at {a.sglang_venv}; run `make "
-                                 f"sglang-venv`")
-            worker_env = {**env, "PYTHONPATH": _source_path()}
+            python, worker_env = _engine_venv("--embed-engine sglang", a.sglang_venv, "sglang-venv", env)
         procs.append(MeshProcess("embed-worker", addr, _spawn("embed-worker", "embedmesh.services.worker.main", args,
                                                                worker_env, python)))
     pre_addr = f"{a.host}:{a.preprocessor_port}"
