@@ -1,53 +1,114 @@
 """Chained block hashes of a prompt, the same on the request side (preprocessor) and the event side (workers).
 
-Positions are grouped into blocks of ``block_size``; only full blocks hash. A block's hash is
-``BLAKE3(parent_hash || content)`` truncated to 63 bits (non-zero, fits a proto uint64 and a Python int key),
-so equal hashes mean equal *prefixes*, not just equal blocks. Content is a sequence of tagged runs: token ids
-(tag ``T``) or embedding rows (tag ``E`` + row count + the rows' bytes in the model dtype). Tags keep a token block
-from ever colliding with an embeddings block, and a mixed block chains both kinds in order.
+Positions are grouped into blocks of ``block_size``; only full blocks hash (a partial tail block is never shared
+by a KV cache either). A block's hash is ``BLAKE3(parent_hash || content)`` truncated to 63 bits, never 0 (0 is
+``ROOT``, the parent of a prompt's first block), so it fits a proto ``uint64`` and a Python int key, and equal
+hashes mean equal *prefixes*, not just equal blocks: that is what lets the router's radix tree be keyed by hash.
+
+A block's content is a sequence of tagged runs, one per kind of position it covers:
+
+    b"T" + u32 count + count x i32 token ids                                        (text)
+    b"E" + u32 count + u32 hidden size + numpy dtype string + the rows' raw bytes   (prompt embeddings)
+
+The tags keep a token block from ever colliding with an embeddings block whose bytes happen to spell the same ids,
+and a block that straddles text and embeddings chains both runs in order. Embedding rows are hashed in the model
+dtype (the preprocessor casts before hashing, the worker hashes what it received), so the two sides agree. BLAKE3 is
+keyed by nothing process-local (unlike Python's ``hash()``), so every process computes the same values.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import blake3
 import numpy as np
 
-__all__ = ["block_hashes", "token_block_hashes", "ROOT"]
+__all__ = ["ROOT", "block_hashes", "segment_block_hashes", "hash_token_blocks", "token_block_hashes"]
 
 ROOT = 0
-"""Parent of a prompt's first block."""
+"""Parent of a prompt's first block; never the hash of a block."""
 
 _MASK = (1 << 63) - 1
+_TOKEN_DTYPE = np.dtype("<i4")
+
+Piece = Sequence[int] | np.ndarray
+"""Token ids (a tuple or list) or embedding rows (a 2-D array already in the model dtype)."""
 
 
-def _finish(h: blake3.blake3) -> int:
+def _finish(h: Any) -> int:
     return (int.from_bytes(h.digest(8), "little") & _MASK) or 1
 
 
-def block_hashes(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray], block_size: int) -> list[int]:
-    """Hashes of every full block of a prompt given as pieces (token-id sequences and row arrays) in order."""
+def _check(block_size: int) -> None:
     if block_size < 1:
-        raise ValueError("block_size must be >= 1")
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+def _as_piece(piece: Any) -> tuple[int, ...] | np.ndarray:
+    """Accept the worker's domain segments (``TokenSegment.ids`` / ``EmbedsSegment.rows``) as well as raw pieces."""
+    if isinstance(piece, np.ndarray):
+        if piece.ndim != 2:
+            raise ValueError(f"embedding rows must be 2-D (rows, hidden), got shape {piece.shape}")
+        return piece
+    rows = getattr(piece, "rows", None)
+    if isinstance(rows, np.ndarray):
+        return _as_piece(rows)
+    ids = getattr(piece, "ids", piece)
+    return tuple(ids)
+
+
+def _merged(pieces: Iterable[Any]) -> list[tuple[int, ...] | np.ndarray]:
+    """Adjacent pieces of one kind joined, so where a prompt was split into pieces never changes its hashes."""
+    out: list[tuple[int, ...] | np.ndarray] = []
+    for raw in pieces:
+        piece = _as_piece(raw)
+        if not len(piece):
+            continue
+        is_rows = isinstance(piece, np.ndarray)
+        if out and isinstance(out[-1], np.ndarray) == is_rows:
+            prev = out[-1]
+            if is_rows:
+                out[-1] = np.concatenate([prev, piece])  # type: ignore[list-item]
+            else:
+                out[-1] = (*prev, *piece)  # type: ignore[misc]
+        else:
+            out.append(piece)
+    return out
+
+
+def block_hashes(pieces: Iterable[Any], block_size: int) -> list[int]:
+    """Hashes of every full block of a prompt given in order as pieces: token-id sequences, 2-D row arrays
+    (model dtype), or the worker's ``TokenSegment`` / ``EmbedsSegment``."""
+    _check(block_size)
+    merged = _merged(pieces)
+    if len(merged) == 1 and not isinstance(merged[0], np.ndarray):
+        return hash_token_blocks(merged[0], block_size)
     out: list[int] = []
-    pieces = _merged(pieces)
     parent = ROOT
     h = blake3.blake3(struct.pack("<Q", parent))
     filled = 0
-    for piece in pieces:
-        is_rows = isinstance(piece, np.ndarray)
-        n = int(piece.shape[0]) if is_rows else len(piece)
+    for piece in merged:
+        if isinstance(piece, np.ndarray):
+            rows = np.ascontiguousarray(piece)
+            header = struct.pack("<I", rows.shape[1]) + rows.dtype.str.encode()
+            data = memoryview(rows.reshape(-1).view(np.uint8))
+            row_bytes = rows.shape[1] * rows.dtype.itemsize
+            n = rows.shape[0]
+        else:
+            data = memoryview(np.asarray(piece, dtype=_TOKEN_DTYPE).view(np.uint8))
+            n = len(piece)
+            row_bytes = 4
         start = 0
         while start < n:
             take = min(block_size - filled, n - start)
-            if is_rows:
-                rows = np.ascontiguousarray(piece[start:start + take])
-                h.update(b"E" + struct.pack("<I", take))
-                h.update(memoryview(rows).cast("B"))
+            chunk = data[start * row_bytes:(start + take) * row_bytes]
+            if isinstance(piece, np.ndarray):
+                h.update(b"E" + struct.pack("<I", take) + header)
             else:
-                h.update(b"T" + struct.pack(f"<I{take}i", take, *piece[start:start + take]))
+                h.update(b"T" + struct.pack("<I", take))
+            h.update(chunk)
             filled += take
             start += take
             if filled == block_size:
@@ -58,19 +119,32 @@ def block_hashes(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray],
     return out
 
 
-def _merged(pieces: Sequence[tuple[int, ...] | Sequence[int] | np.ndarray]) -> list[tuple[int, ...] | np.ndarray]:
-    """Adjacent pieces of one kind joined, so where a prompt was split into pieces never changes its hashes."""
-    out: list[tuple[int, ...] | np.ndarray] = []
-    for piece in pieces:
-        is_rows = isinstance(piece, np.ndarray)
-        if out and isinstance(out[-1], np.ndarray) == is_rows:
-            prev = out[-1]
-            out[-1] = np.concatenate([prev, piece]) if is_rows else (*prev, *piece)  # type: ignore[misc]
-        else:
-            out.append(piece if is_rows else tuple(piece))  # type: ignore[arg-type]
+def segment_block_hashes(segments: Iterable[Any], block_size: int) -> list[int]:
+    """``block_hashes`` for a list of ``TokenSegment`` / ``EmbedsSegment`` (the name says what callers pass)."""
+    return block_hashes(segments, block_size)
+
+
+def hash_token_blocks(ids: Sequence[int], block_size: int) -> list[int]:
+    """Fast path for a text-only prompt; equal to ``block_hashes([ids], block_size)``.
+
+    The ids are packed to little-endian int32 once and each block hashes one contiguous slice.
+    """
+    _check(block_size)
+    n = len(ids) // block_size
+    if not n:
+        return []
+    data = np.asarray(ids[: n * block_size], dtype=_TOKEN_DTYPE).tobytes()
+    tag = b"T" + struct.pack("<I", block_size)
+    step = 4 * block_size
+    pack = struct.Struct("<Q").pack
+    out: list[int] = []
+    parent = ROOT
+    for i in range(n):
+        digest = blake3.blake3(pack(parent) + tag + data[i * step:(i + 1) * step]).digest(8)
+        parent = (int.from_bytes(digest, "little") & _MASK) or 1
+        out.append(parent)
     return out
 
 
-def token_block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
-    """Fast path for a prompt of token ids only (equal to ``block_hashes([ids], block_size)``)."""
-    return block_hashes([tuple(ids)], block_size)
+token_block_hashes = hash_token_blocks
+"""The older name of ``hash_token_blocks``, kept for existing callers."""

@@ -1,1 +1,13 @@
-"""The KV-aware router: worker registry, radix indexer over chained block hashes, and cost-based choice."""
+"""The KV-aware router: worker registry, radix indexer over chained block hashes, and cost-based choice.
+
+Modules: ``indexer`` (the radix index), ``approx`` (tracking for engines without KV events), ``registry`` (live
+workers, event batches, liveness), ``scoring`` (the cost model), ``policy`` (one decision), ``servicer`` (gRPC),
+``config`` / ``main`` (bootstrap); client sides: ``worker_client`` (workers) and ``route_client`` (preprocessor).
+"""
+
+__all__ = ["RadixIndexer", "KvRouter", "Registry", "Weights"]
+
+from embedmesh.services.router.indexer import RadixIndexer
+from embedmesh.services.router.policy import KvRouter
+from embedmesh.services.router.registry import Registry
+from embedmesh.services.router.scoring import Weights

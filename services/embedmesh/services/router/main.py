@@ -1,65 +1,62 @@
-"""Router bootstrap: ``python -m embedmesh.services.router.main --port N``."""
+"""Router bootstrap: ``python -m embedmesh.services.router.main --port N`` (prints "router listening on HOST:PORT")."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
+import random
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2_grpc
+from embedmesh.services.router.config import RouterConfig
+from embedmesh.services.router.policy import KvRouter
 from embedmesh.services.router.registry import Registry
-from embedmesh.services.router.scoring import Weights
-from embedmesh.services.router.servicer import SERVICE_NAME, RouterServicer
+from embedmesh.services.router.servicer import DROPS, SERVICE_NAME, RouterServicer, update_gauges
+
+__all__ = ["build", "sweep_forever", "serve", "main"]
 
 log = get_logger("embedmesh.router")
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    env = os.environ
-    p = argparse.ArgumentParser(prog="embedmesh-router", description="Run the KV-aware router.")
-    p.add_argument("--host", default=env.get("EMBEDMESH_ROUTER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_ROUTER_PORT", "50081")))
-    p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_ROUTER_METRICS_PORT", "0")))
-    p.add_argument("--prefill-weight", type=float, default=float(env.get("EMBEDMESH_ROUTER_PREFILL_WEIGHT", "1")))
-    p.add_argument("--decode-weight", type=float, default=float(env.get("EMBEDMESH_ROUTER_DECODE_WEIGHT", "1")))
-    p.add_argument("--temperature", type=float, default=float(env.get("EMBEDMESH_ROUTER_TEMPERATURE", "0")))
-    p.add_argument("--stale-seconds", type=float, default=float(env.get("EMBEDMESH_ROUTER_STALE_SECONDS", "3")))
-    p.add_argument("--approx-ttl", type=float, default=float(env.get("EMBEDMESH_ROUTER_APPROX_TTL", "120")))
-    a = p.parse_args(argv)
-    if a.prefill_weight < 0 or a.decode_weight < 0 or a.temperature < 0 or a.stale_seconds <= 0:
-        p.error("weights and temperature must be >= 0 and stale-seconds > 0")
-    return a
+def build(config: RouterConfig) -> RouterServicer:
+    """The servicer and the domain objects behind it, from one config."""
+    registry = Registry(stale_seconds=config.stale_seconds, approx_ttl_seconds=config.approx_ttl_seconds,
+                        approx_max_blocks=config.approx_max_blocks)
+    return RouterServicer(KvRouter(registry, config.weights, random.Random(config.seed)))
 
 
-async def serve(a: argparse.Namespace) -> None:
-    registry = Registry(stale_seconds=a.stale_seconds, approx_ttl_seconds=a.approx_ttl)
-    servicer = RouterServicer(registry, Weights(a.prefill_weight, a.decode_weight, a.temperature))
-    server = Server("router", ServerOptions(host=a.host, port=a.port, metrics_port=a.metrics_port))
+async def sweep_forever(registry: Registry, every_seconds: float) -> None:
+    """Drop silent workers, age out approximate blocks and refresh the gauges, every ``every_seconds``."""
+    while True:
+        await asyncio.sleep(every_seconds)
+        for wid in registry.sweep():
+            DROPS.labels("silent").inc()
+            log.warning("worker silent; dropped from routing", extra={"worker_id": wid})
+        update_gauges(registry)
+
+
+async def serve(config: RouterConfig) -> None:
+    servicer = build(config)
+    server = Server("router", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     server.add(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)
     await server.start()
     server.install_signal_handlers()
     await server.set_serving(True)
     print(f"router listening on {server.address}", flush=True)
-
-    async def sweep() -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            for wid in registry.sweep():
-                log.warning("worker silent; dropped from routing", extra={"worker_id": wid})
-
-    task = asyncio.create_task(sweep())
-    await server.wait_for_termination()
-    task.cancel()
+    sweeper = asyncio.create_task(sweep_forever(servicer.registry, config.sweep_seconds))
+    try:
+        await server.wait_for_termination()
+    finally:
+        sweeper.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = parse(argv)
+    config = RouterConfig.from_args(argv)
     setup_logging("router")
     setup_tracing("router")
-    asyncio.run(serve(a))
+    log.info("config", extra={"config": config.describe()})
+    asyncio.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,29 @@
-"""What the preprocessor calls: ask a router replica for the worker of a prompt. If no router answers, the caller
-falls back to round robin over its healthy workers, and the fallback is counted."""
+"""What the preprocessor calls: ``await client.route(model, hashes, prompt_len)`` -> a ``RouteDecision``.
+
+Router replicas are tried in turn (a different one first each call). When none answers, the client still decides:
+round robin over the workers it knows to be healthy — those the caller's ``healthy_workers`` names, else the
+candidates the router listed in its last answers — marks the decision ``fallback=True`` and counts it in
+``embedmesh_router_fallback_total``. It returns None only when it knows no worker at all (the caller then uses
+its own pool). A router that failed is skipped for ``retry_after`` seconds, so an outage costs one timeout, not one
+per request.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import Counter
 
-from embedmesh.core.errors import EmbedmeshError, from_rpc_error
+from embedmesh.core.errors import from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 
-__all__ = ["RouteClient", "FALLBACKS"]
+__all__ = ["RouteClient", "RouteDecision", "CandidateCost", "FALLBACKS"]
 
 log = get_logger(__name__)
 
@@ -22,39 +31,102 @@ FALLBACKS = Counter("embedmesh_router_fallback_total", "Requests routed round ro
                     ["reason"])
 
 
+@dataclass(frozen=True)
+class CandidateCost:
+    """One worker the router considered."""
+
+    worker_id: str
+    address: str
+    overlap_blocks: int
+    cost: float
+    active_requests: int
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where to send a prompt."""
+
+    worker_id: str
+    """Router's worker id ("" for a fallback decision)."""
+    address: str
+    """host:port of the chosen WorkerService."""
+    overlap_blocks: int = 0
+    """Prefix blocks the chosen worker already caches (0 when unknown)."""
+    candidates: list[CandidateCost] = field(default_factory=list)
+    """Every candidate, cheapest first (empty for a fallback decision)."""
+    fallback: bool = False
+    """True when no router answered and the client chose round robin."""
+
+
 class RouteClient:
-    def __init__(self, routers: Sequence[str], block_size: int, timeout: float = 0.5) -> None:
+    """Asks the router replicas; falls back to round robin (see the module docstring)."""
+
+    def __init__(self, routers: Sequence[str], block_size: int, timeout: float = 0.5,
+                 healthy_workers: Callable[[str], Sequence[str]] | None = None, retry_after: float = 2.0) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.timeout = timeout
-        self._channels = [insecure_channel(a) for a in routers]
+        self.retry_after = retry_after
+        self.routers = list(routers)
+        self._healthy = healthy_workers
+        self._channels = [insecure_channel(a) for a in self.routers]
         self._stubs = [router_pb2_grpc.RouterServiceStub(c) for c in self._channels]
+        self._down_until = [0.0] * len(self._stubs)
         self._next = itertools.count()
+        self._rr = itertools.count()
+        self._known: dict[str, list[str]] = {}
+        """model -> worker addresses from the router's last answer (the fallback's default worker list)."""
         self._warned = False
 
     async def close(self) -> None:
         for c in self._channels:
             await c.close()
 
-    async def route(self, model: str, hashes: list[int], prompt_tokens: int,
-                    request_id: str) -> router_pb2.RouteResponse | None:
-        """The router's choice, or None when no router could decide (caller falls back)."""
+    async def route(self, model: str, hashes: Sequence[int], prompt_tokens: int,
+                    request_id: str = "") -> RouteDecision | None:
+        """The router's choice; else a round-robin fallback; None when no worker is known at all."""
         req = router_pb2.RouteRequest(model=model, block_hashes=hashes, block_size=self.block_size,
                                       prompt_tokens=prompt_tokens, request_id=request_id)
+        n = len(self._stubs)
         start = next(self._next)
-        last: EmbedmeshError | None = None
-        for i in range(len(self._stubs)):
-            stub = self._stubs[(start + i) % len(self._stubs)]
+        reason = "no_router"
+        now = time.monotonic()
+        for i in range(n):
+            k = (start + i) % n
+            if self._down_until[k] > now:
+                reason = "router_down"
+                continue
             try:
-                resp = await stub.Route(req, timeout=self.timeout)
-                self._warned = False
-                return resp
+                resp = await self._stubs[k].Route(req, timeout=self.timeout)
             except grpc.aio.AioRpcError as e:
-                last = from_rpc_error(e)
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    break
-        reason = last.reason.lower() if last else "no_router"
+                err = from_rpc_error(e)
+                reason = err.reason.lower()
+                if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    log.warning("router refused the request", extra={"request_id": request_id,
+                                                                     "field": err.field, "error": err.message})
+                    break  # every replica would say the same
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        and err.reason != "NO_WORKER":
+                    self._down_until[k] = time.monotonic() + self.retry_after
+                continue
+            self._warned = False
+            decision = _decision(resp)
+            self._known[model] = [c.address for c in decision.candidates]
+            return decision
+        return self._fallback(model, reason)
+
+    def _fallback(self, model: str, reason: str) -> RouteDecision | None:
         FALLBACKS.labels(reason).inc()
         if not self._warned:
             self._warned = True
             log.warning("router unavailable; routing round robin", extra={"reason": reason})
-        return None
+        workers = list(self._healthy(model)) if self._healthy else self._known.get(model, [])
+        if not workers:
+            return None
+        return RouteDecision("", workers[next(self._rr) % len(workers)], fallback=True)
+
+
+def _decision(resp: router_pb2.RouteResponse) -> RouteDecision:
+    return RouteDecision(resp.worker_id, resp.address, resp.overlap_blocks, [
+        CandidateCost(c.worker_id, c.address, c.overlap_blocks, c.cost, c.active_requests) for c in resp.candidates])

@@ -1,4 +1,8 @@
-"""Choosing a worker: cost = prefill_weight x blocks still to prefill + decode_weight x active requests.
+"""Choosing a worker: cost = prefill_weight x blocks still to prefill + decode_weight x decode load.
+
+Blocks still to prefill are the prompt's blocks minus the worker's cached prefix (its overlap); decode load is the
+requests it runs (last heartbeat) plus those routed to it since. The two weights put blocks and requests on one
+scale: with the defaults one running request costs as much as prefilling ``decode / prefill`` blocks.
 
 Lowest cost wins; ties are broken at random; with ``temperature > 0`` the choice is sampled from
 softmax(-cost / temperature) instead, which spreads load when costs are close.
@@ -15,6 +19,8 @@ __all__ = ["Weights", "Scored", "score", "choose"]
 
 @dataclass(frozen=True)
 class Weights:
+    """The cost model's knobs (router flags ``--prefill-weight``, ``--decode-weight``, ``--temperature``)."""
+
     prefill: float = 1.0
     """Cost of one block the chosen worker must still prefill."""
     decode: float = 1.0
@@ -22,9 +28,15 @@ class Weights:
     temperature: float = 0.0
     """0 = always the cheapest; > 0 samples from softmax(-cost / temperature)."""
 
+    def __post_init__(self) -> None:
+        if not (self.prefill >= 0 and self.decode >= 0 and self.temperature >= 0):
+            raise ValueError(f"weights and temperature must be >= 0, got {self}")
+
 
 @dataclass(frozen=True)
 class Scored:
+    """One candidate's cost and what went into it."""
+
     worker_id: str
     overlap: int
     active: int
@@ -43,6 +55,7 @@ def score(prompt_blocks: int, overlaps: dict[str, int], loads: dict[str, int], w
 
 
 def choose(scored: list[Scored], w: Weights, rng: random.Random) -> Scored:
+    """The cheapest candidate (a random one among equals), or a softmax sample when ``w.temperature > 0``."""
     if not scored:
         raise ValueError("no candidates")
     if w.temperature > 0:

@@ -1,0 +1,97 @@
+"""One routing decision: validate, look up every candidate's cached prefix, score, choose, record, report.
+
+The decision is logged (one structured line: chosen worker, overlap, the cheapest few candidates' costs) and
+counted in Prometheus (decisions by hit/miss, overlap ratio), and returned whole so ``Route`` can show it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+
+from embedmesh.core.block_hash import ROOT
+from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.logs import get_logger
+from embedmesh.services.router.registry import Registry
+from embedmesh.services.router.scoring import Scored, Weights, choose, score
+
+__all__ = ["Decision", "KvRouter", "LOGGED_CANDIDATES"]
+
+log = get_logger("embedmesh.router.decisions")
+
+DECISIONS = Counter("embedmesh_router_decisions_total",
+                    "Route decisions by model and whether the chosen worker held any prefix block", ["model", "hit"])
+OVERLAP = Histogram("embedmesh_router_overlap_ratio", "Cached prefix blocks / prompt blocks of the chosen worker",
+                    ["model"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
+MATCHED_BLOCKS = Counter("embedmesh_router_prefix_blocks_total",
+                         "Prompt blocks routed, and how many the chosen worker already held", ["model", "kind"])
+
+LOGGED_CANDIDATES = 4
+"""Candidates (cheapest first) whose cost goes into the decision's log line."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    address: str
+    overlap_blocks: int
+    candidates: list[tuple[Scored, str]]
+    """Every candidate with its address, cheapest first."""
+
+
+class KvRouter:
+    """Chooses a worker for a prompt from the registry's live workers and the KV index."""
+
+    def __init__(self, registry: Registry, weights: Weights, rng: random.Random | None = None) -> None:
+        self.registry = registry
+        self.weights = weights
+        self.rng = rng or random.Random()
+        self.routes = 0
+
+    def route(self, model: str, hashes: Sequence[int], block_size: int, prompt_tokens: int,
+              request_id: str = "") -> Decision:
+        if not model:
+            raise InvalidArgument("model: is required", field="model", reason="REQUIRED")
+        if block_size < 1:
+            raise InvalidArgument(f"block_size: must be >= 1, got {block_size}", field="block_size",
+                                  reason="OUT_OF_RANGE")
+        if prompt_tokens < 1:
+            raise InvalidArgument(f"prompt_tokens: must be >= 1, got {prompt_tokens}", field="prompt_tokens",
+                                  reason="OUT_OF_RANGE")
+        if len(hashes) > prompt_tokens // block_size:
+            raise InvalidArgument(
+                f"block_hashes: {len(hashes)} hashes but a prompt of {prompt_tokens} positions has only "
+                f"{prompt_tokens // block_size} full blocks of {block_size}", field="block_hashes",
+                reason="TOO_MANY_HASHES")
+        if ROOT in hashes:
+            raise InvalidArgument("block_hashes: 0 is the root, never a block's hash", field="block_hashes",
+                                  reason="ROOT_HASH")
+        candidates = self.registry.candidates(model)
+        if not candidates:
+            raise Unavailable(f"model: no live worker serves {model!r}", field="model", reason="NO_WORKER")
+        matching = {w.worker_id: w for w in candidates if w.block_size == block_size}
+        if not matching:
+            sizes = sorted({w.block_size for w in candidates})
+            raise InvalidArgument(f"block_size: workers of {model!r} use block sizes {sizes}, got {block_size}",
+                                  field="block_size", reason="BLOCK_SIZE_MISMATCH")
+        overlaps = self.registry.index.find_matches(hashes) if hashes else {}
+        prompt_blocks = max(len(hashes), math.ceil(prompt_tokens / block_size))
+        scored = score(prompt_blocks, overlaps, {wid: w.load for wid, w in matching.items()}, self.weights)
+        best = choose(scored, self.weights, self.rng)
+        self.registry.record_routed(best.worker_id, hashes)
+        self.routes += 1
+        DECISIONS.labels(model, "yes" if best.overlap else "no").inc()
+        if hashes:
+            OVERLAP.labels(model).observe(best.overlap / len(hashes))
+            MATCHED_BLOCKS.labels(model, "prompt").inc(len(hashes))
+            MATCHED_BLOCKS.labels(model, "cached").inc(best.overlap)
+        log.info("route", extra={
+            "request_id": request_id, "model": model, "worker_id": best.worker_id, "overlap_blocks": best.overlap,
+            "prompt_blocks": len(hashes), "candidates": len(scored),
+            "costs": {s.worker_id: round(s.cost, 3) for s in scored[:LOGGED_CANDIDATES]}})
+        return Decision(best.worker_id, matching[best.worker_id].address, best.overlap,
+                        [(s, matching[s.worker_id].address) for s in scored])
