@@ -32,6 +32,15 @@ step "installing the worker's runtime dependencies"
 "${PIP[@]}" -q 'grpcio==1.85.1' 'grpcio-health-checking==1.85.1' 'grpcio-reflection==1.85.1' 'grpcio-status==1.85.1' \
   protobuf googleapis-common-protos numpy prometheus-client opentelemetry-api opentelemetry-sdk blake3
 step "checking the install"
-"$VENV/bin/python" -c 'import vllm, torch; from vllm.v1.engine.async_llm import AsyncLLM; print("[vllm-venv] vllm", vllm.__version__, "torch", torch.__version__)'
+"$VENV/bin/python" - <<'EOF'
+import torch
+import vllm
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401 - the engine the worker drives
+import zmq, msgspec, grpc, blake3  # noqa: E401,F401 - KV events and the worker's own runtime
+
+# A CUDA build of torch pulled in by some dependency would be several GB and useless on this CPU.
+assert torch.version.cuda is None and torch.__version__.endswith("+cpu"), f"expected a CPU torch, got {torch.__version__}"
+print("[vllm-venv] vllm", vllm.__version__, "torch", torch.__version__)
+EOF
 touch "$VENV/.complete"
 step "done: $(du -sh "$VENV" | cut -f1)"

@@ -113,6 +113,7 @@ def test_repeated_embeddings_prompt_hits_the_prefix_cache_and_the_router_index(v
     with grpc.insecure_channel(str(vmesh.extra["router"])) as ch:
         workers = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
     assert workers and workers[0].registration.engine == "vllm" and workers[0].blocks > 0
+    assert workers[0].registration.publishes_kv_events, "the vllm worker should feed the router real KV events"
 
 
 def test_disconnect_aborts_in_vllm(vmesh: Mesh) -> None:

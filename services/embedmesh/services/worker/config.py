@@ -48,6 +48,13 @@ class WorkerConfig:
     """vllm worker: GPUs per worker (GPU only)."""
     enable_lora: bool = False
     """vllm worker: allow LoRA adapters (LoadLoraAdapter)."""
+    vllm_block_size: int = 0
+    """vllm worker: vLLM's KV block size in positions (0 = vLLM's default: 16 on GPUs, 128 on CPUs)."""
+    kv_cache_memory_bytes: int = 0
+    """vllm worker: KV cache size (0 = vLLM sizes it: --gpu-memory-utilization on GPUs, VLLM_CPU_KVCACHE_SPACE GiB
+    on CPUs)."""
+    kv_events: bool = True
+    """vllm worker: publish vLLM's KV events to the routers (with --routers); off = tracked approximately."""
     sglang_task: str = "embed"
     """sglang worker: "embed" (CPU or GPU) or "generate" (GPU only)."""
     sglang_device: str = "cpu"
@@ -66,6 +73,8 @@ class WorkerConfig:
             raise ValueError("threads must be >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.vllm_block_size < 0 or self.kv_cache_memory_bytes < 0:
+            raise ValueError("vllm_block_size and kv_cache_memory_bytes must be >= 0 (0 = vLLM's default)")
         if self.sglang_task not in ("embed", "generate") or self.sglang_max_total_tokens < 1:
             raise ValueError("sglang_task must be 'embed' or 'generate' and sglang_max_total_tokens >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -94,6 +103,11 @@ class WorkerConfig:
                        default=float(env.get("EMBEDMESH_VLLM_GPU_MEMORY_UTILIZATION", 0.9)))
         p.add_argument("--tensor-parallel-size", type=int, default=int(env.get("EMBEDMESH_VLLM_TP", 1)))
         p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1")
+        p.add_argument("--vllm-block-size", type=int, default=int(env.get("EMBEDMESH_VLLM_BLOCK_SIZE", 0)))
+        p.add_argument("--kv-cache-memory-bytes", type=int,
+                       default=int(env.get("EMBEDMESH_VLLM_KV_CACHE_MEMORY_BYTES", 0)))
+        p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                       default=env.get("EMBEDMESH_VLLM_KV_EVENTS", "1") != "0")
         p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))
         p.add_argument("--sglang-device", default=env.get("EMBEDMESH_SGLANG_DEVICE", cls.sglang_device))
         p.add_argument("--sglang-max-total-tokens", type=int,

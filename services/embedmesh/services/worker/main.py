@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
@@ -15,6 +17,9 @@ from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.metrics import register_engine_metrics
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
 
 log = get_logger("embedmesh.worker")
 
@@ -35,7 +40,11 @@ def build_engine(config: WorkerConfig) -> Engine:
         return VLLMEngine(VLLMConfig(path, name, dtype=config.dtype, max_model_len=config.max_model_len,
                                      gpu_memory_utilization=config.gpu_memory_utilization,
                                      tensor_parallel_size=config.tensor_parallel_size,
-                                     max_num_seqs=config.max_batch_size, enable_lora=config.enable_lora))
+                                     max_num_seqs=config.max_batch_size, enable_lora=config.enable_lora,
+                                     block_size=config.vllm_block_size or None,
+                                     kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
+                                     kv_events=config.kv_events and bool(config.routers),
+                                     kv_event_block_size=config.block_size))
     if config.engine == "sglang":
         from embedmesh.services.worker.engines.sglang_engine import from_worker_config
 
@@ -65,6 +74,11 @@ async def serve(config: WorkerConfig) -> None:
     server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id), SERVICE_NAME)
     server.on_drain(engine.shutdown)
     register_engine_metrics(engine, worker_id)
+    vllm = _as_vllm(engine)
+    if vllm is not None:
+        from embedmesh.services.worker.engines.vllm_metrics import register_vllm_metrics
+
+        register_vllm_metrics(vllm.engine_metrics, vllm.kv_event_counters, worker_id)
     await server.start()
     server.install_signal_handlers()
     print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
@@ -74,15 +88,37 @@ async def serve(config: WorkerConfig) -> None:
     log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
     print(f"worker {worker_id} serving model {info.model!r} on {server.address}", flush=True)
     if config.routers and info.task == "generate":
+        publishes = vllm is not None and vllm.publishes_kv_events
         link = RouterLink(
             config.routers,
             router_pb2.Registration(worker_id=worker_id, address=config.advertise or server.address, model=info.model,
-                                    block_size=config.block_size, engine=info.engine, publishes_kv_events=False),
-            load=lambda: LoadReport(engine.stats().active_requests),
+                                    block_size=config.block_size, engine=info.engine, publishes_kv_events=publishes),
+            load=lambda: LoadReport(engine.stats().active_requests,
+                                    vllm.engine_metrics().kv_usage if vllm is not None else 0.0),
+            snapshot=_kv_snapshot(vllm) if publishes else None,
         )
+        if publishes:
+            from embedmesh.services.worker.engines.vllm_kv_events import to_router_events
+
+            assert vllm is not None
+            vllm.on_kv_events(lambda events: link.publish(to_router_events(events)))
         link.start()
         server.on_drain(link.close)
     await server.wait_for_termination()
+
+
+def _as_vllm(engine: Engine) -> VLLMEngine | None:
+    """The engine as a VLLMEngine (KV events, vLLM's scheduler metrics), or None for other engines."""
+    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
+
+    return engine if isinstance(engine, VLLMEngine) else None
+
+
+def _kv_snapshot(engine: VLLMEngine | None) -> Callable[[], list[router_pb2.KvEvent]]:
+    from embedmesh.services.worker.engines.vllm_kv_events import to_router_events
+
+    assert engine is not None
+    return lambda: to_router_events(engine.kv_snapshot())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,14 +8,22 @@ own detokenizer (``RequestOutputKind.DELTA``); closing the stream aborts the req
 
 Requests arriving before the engine is ready wait (up to ``ready_timeout_seconds``) instead of failing.
 vLLM's own Prometheus metrics (``vllm:*``, including prefix-cache queries and hits) are exported on the worker's
-metrics port because the engine runs in the worker process.
+metrics port because the engine runs in the worker process; ``engine_metrics()`` (a stat logger handed to vLLM)
+gives the same figures to the worker (running, waiting, KV usage for the router's load reports).
+
+With ``kv_events`` on, vLLM publishes its KV cache events on a private ZMQ socket (``ipc://`` in a temporary
+folder: local only, no port to pick) and ``vllm_kv_events`` turns them into the mesh's stored/removed/cleared
+events with the mesh's block hashes; listeners added with ``on_kv_events`` get them, ``kv_snapshot()`` answers a
+router's re-sync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +42,10 @@ from embedmesh.services.worker.engines.base import (
     ModelInfo,
     TokenSegment,
 )
+from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
+from embedmesh.services.worker.engines.vllm_metrics import MetricsRecorder, VLLMEngineMetrics
 
-__all__ = ["VLLMEngine", "VLLMConfig"]
+__all__ = ["VLLMEngine", "VLLMConfig", "VLLMEngineMetrics"]
 
 log = get_logger(__name__)
 
@@ -68,6 +78,15 @@ class VLLMConfig:
     """Largest adapter rank accepted."""
     max_loras: int = 4
     """Adapters usable in one batch."""
+    block_size: int | None = None
+    """vLLM's KV block size in positions (None: vLLM's default, 16 on GPUs and 128 on CPUs)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size (None: vLLM sizes it: from gpu_memory_utilization on GPUs, VLLM_CPU_KVCACHE_SPACE GiB on
+    CPUs)."""
+    kv_events: bool = False
+    """Publish KV cache events for the router (vLLM's ZMQ publisher, translated to the mesh's hashes)."""
+    kv_event_block_size: int = 16
+    """The mesh's routing block size (the preprocessor's); the translated events hash blocks of this size."""
 
 
 class VLLMEngine(Engine):
@@ -84,22 +103,42 @@ class VLLMEngine(Engine):
         self._lora_loading: dict[str, asyncio.Future[bool]] = {}
         self._next_lora_id = 1
         self._asleep = False
+        self._metrics = MetricsRecorder()
+        self._kv: KvEventTranslator | None = None
+        self._kv_listeners: list[Callable[[list[MeshKvEvent]], None]] = []
+        self._kv_subscriber: VllmKvEventSubscriber | None = None
+        self._kv_dir: str | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        kv_events: dict[str, Any] = {}
+        if self.config.kv_events:
+            from vllm.config.kv_events import KVEventsConfig
+
+            self._kv_dir = tempfile.mkdtemp(prefix="embedmesh-vllm-kv-")
+            kv_events["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{self._kv_dir}/events",
+                replay_endpoint=f"ipc://{self._kv_dir}/replay", topic="kv")
         args = AsyncEngineArgs(
             model=str(self.config.model_path), served_model_name=[self.config.served_name], dtype=self.config.dtype,
             max_model_len=self.config.max_model_len, enforce_eager=self.config.enforce_eager,
             enable_prompt_embeds=True, enable_prefix_caching=True, max_num_seqs=self.config.max_num_seqs,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             tensor_parallel_size=self.config.tensor_parallel_size, disable_log_stats=False,
-            enable_lora=self.config.enable_lora,
+            enable_lora=self.config.enable_lora, block_size=self.config.block_size,
+            kv_cache_memory_bytes=self.config.kv_cache_memory_bytes,
             **({"max_lora_rank": self.config.max_lora_rank, "max_loras": self.config.max_loras}
                if self.config.enable_lora else {}),
+            **kv_events,
         )
-        self._engine = AsyncLLM.from_engine_args(args)
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._metrics.factory()])
+        if self.config.kv_events:
+            self._kv = KvEventTranslator(self.config.kv_event_block_size, self._publish_kv)
+            self._kv_subscriber = VllmKvEventSubscriber(self._kv, f"ipc://{self._kv_dir}/events",
+                                                        f"ipc://{self._kv_dir}/replay", topic="kv")
+            self._kv_subscriber.start()
         mc = self._engine.model_config
         self._info = ModelInfo(
             model=self.config.served_name, engine="vllm", hidden_size=int(mc.get_hidden_size()),
@@ -116,11 +155,48 @@ class VLLMEngine(Engine):
 
     def stats(self) -> EngineStats:
         self._stats.active_requests = len(self._running)
+        self._stats.queued_requests = self._metrics.latest.num_waiting
+        self._stats.max_batch_seen = max(self._stats.max_batch_seen, self._metrics.latest.num_running)
         return self._stats
 
+    def engine_metrics(self) -> VLLMEngineMetrics:
+        """vLLM's scheduler figures after its last step (running, waiting, KV usage, prefix-cache totals)."""
+        return self._metrics.latest
+
+    async def check_health(self) -> None:
+        if self._engine is not None:
+            await self._engine.check_health()
+
     async def shutdown(self) -> None:
+        if self._kv_subscriber is not None:
+            await self._kv_subscriber.close()
         if self._engine is not None:
             self._engine.shutdown()
+        if self._kv_dir is not None:
+            shutil.rmtree(self._kv_dir, ignore_errors=True)
+
+    # --- KV events ------------------------------------------------------------------------------------------
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.config.kv_events
+
+    def on_kv_events(self, listener: Callable[[list[MeshKvEvent]], None]) -> None:
+        """Call ``listener`` (on the event loop) with the mesh events of each vLLM event batch."""
+        self._kv_listeners.append(listener)
+
+    def kv_snapshot(self) -> list[MeshKvEvent]:
+        """Every block vLLM holds, as stored events in the mesh's hashes (for a router's re-sync)."""
+        return self._kv.snapshot() if self._kv is not None else []
+
+    def kv_event_counters(self) -> dict[str, int]:
+        return dict(self._kv.counters) if self._kv is not None else {}
+
+    def _publish_kv(self, events: list[MeshKvEvent]) -> None:
+        for listener in self._kv_listeners:
+            try:
+                listener(events)
+            except Exception:  # one failing listener must not stop the others or the event stream
+                log.exception("KV event listener failed")
 
     def _embedding_table(self) -> Any:
         """The model's input embedding matrix, read once from the checkpoint (for token pieces of mixed prompts)."""
@@ -150,7 +226,10 @@ class VLLMEngine(Engine):
         import torch
 
         if all(isinstance(s, TokenSegment) for s in request.segments):
-            return {"prompt_token_ids": [t for s in request.segments for t in s.ids]}  # type: ignore[union-attr]
+            ids = [t for s in request.segments for t in s.ids]  # type: ignore[union-attr]
+            if self._kv is not None:
+                self._kv.track(request.request_id, request.segments, sent_tokens=ids)
+            return {"prompt_token_ids": ids}
         dtype = getattr(torch, self.info().dtype)
         parts = []
         for seg in request.segments:
@@ -160,7 +239,12 @@ class VLLMEngine(Engine):
                 rows = seg.rows
                 t = torch.from_numpy(rows.astype(np.int16) if rows.dtype == np.uint16 else np.array(rows))
                 parts.append(t.view(torch.bfloat16) if rows.dtype == np.uint16 else t.to(dtype))
-        return {"prompt_embeds": torch.cat(parts, dim=0)}
+        embeds = torch.cat(parts, dim=0)
+        if self._kv is not None:
+            # vLLM digests the bytes of exactly this tensor per block; bf16 has no numpy dtype, so view the bits.
+            sent = (embeds.view(torch.int16) if embeds.dtype == torch.bfloat16 else embeds).numpy()
+            self._kv.track(request.request_id, request.segments, sent_rows=sent)
+        return {"prompt_embeds": embeds}
 
     def _sampling(self, request: GenerationRequest) -> Any:
         from vllm import SamplingParams
@@ -218,6 +302,8 @@ class VLLMEngine(Engine):
                     return
         finally:
             self._running.discard(rid)
+            if self._kv is not None:
+                self._kv.finish(rid)
             if not finished:
                 self._stats.aborted_requests += 1
                 await self._engine.abort(rid)
@@ -231,7 +317,10 @@ class VLLMEngine(Engine):
     # --- admin ----------------------------------------------------------------------------------------------
     async def clear_kv_blocks(self) -> bool:
         await asyncio.wait_for(self._ready.wait(), self.config.ready_timeout_seconds)
-        return bool(await self._engine.reset_prefix_cache())
+        ok = bool(await self._engine.reset_prefix_cache())
+        if ok and self._kv is not None:
+            self._kv.cleared()
+        return ok
 
     async def load_lora(self, name: str, path: str) -> bool:
         """Load once: concurrent calls for one name share the first call's result."""
