@@ -1,10 +1,10 @@
-"""A `vllm` worker with KV events on, run inside the vLLM venv by test_vllm_kv_events.py.
+"""A `vllm` worker with KV events on, run inside the vLLM venv by test_vllm_worker_kv.py.
 
-It is the worker's own bootstrap (server, servicer, router link) with what the worker's main does not wire yet:
-``kv_events=True`` on the engine, ``publishes_kv_events`` in the registration, events forwarded to the routers and
-re-syncs answered from the engine's snapshot. Every translated event is also appended to ``--events-file`` as a
-JSON line, so the test can compare the hashes with the ones it computes itself. vLLM spawns its engine core with
-multiprocessing, which may re-import this file: everything runs under the ``__main__`` guard.
+It wires what the worker's main wires (server, servicer, KV events forwarded to the routers, re-syncs answered from
+the engine's snapshot) plus a tap: every translated event is also appended to ``--events-file`` as a JSON line, so
+the test can compare the hashes with the ones it computes itself. The real main is covered by test_vllm_mesh.py and
+test_vllm_startup.py. vLLM spawns its engine core with multiprocessing, which may re-import this file: everything
+runs under the ``__main__`` guard.
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ class WorkerConfig:
     kv_cache_memory_bytes: int = 0
     """vllm worker: KV cache size (0 = vLLM sizes it: --gpu-memory-utilization on GPUs, VLLM_CPU_KVCACHE_SPACE GiB
     on CPUs)."""
+    ready_timeout: float = 300.0
+    """vllm worker: seconds a request arriving while the engine loads waits before failing UNAVAILABLE."""
     kv_events: bool = True
     """vllm worker: publish vLLM's KV events to the routers (with --routers); off = tracked approximately."""
     sglang_task: str = "embed"
@@ -75,6 +77,8 @@ class WorkerConfig:
             raise ValueError("block_size must be >= 1")
         if self.vllm_block_size < 0 or self.kv_cache_memory_bytes < 0:
             raise ValueError("vllm_block_size and kv_cache_memory_bytes must be >= 0 (0 = vLLM's default)")
+        if self.ready_timeout <= 0:
+            raise ValueError("ready_timeout must be > 0 seconds")
         if self.sglang_task not in ("embed", "generate") or self.sglang_max_total_tokens < 1:
             raise ValueError("sglang_task must be 'embed' or 'generate' and sglang_max_total_tokens >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -106,6 +110,9 @@ class WorkerConfig:
         p.add_argument("--vllm-block-size", type=int, default=int(env.get("EMBEDMESH_VLLM_BLOCK_SIZE", 0)))
         p.add_argument("--kv-cache-memory-bytes", type=int,
                        default=int(env.get("EMBEDMESH_VLLM_KV_CACHE_MEMORY_BYTES", 0)))
+        p.add_argument("--ready-timeout", type=float,
+                       default=float(env.get("EMBEDMESH_VLLM_READY_TIMEOUT", cls.ready_timeout)),
+                       help="seconds a request that arrives while the engine loads waits for it")
         p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                        default=env.get("EMBEDMESH_VLLM_KV_EVENTS", "1") != "0")
         p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))

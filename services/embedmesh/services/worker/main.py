@@ -44,7 +44,8 @@ def build_engine(config: WorkerConfig) -> Engine:
                                      block_size=config.vllm_block_size or None,
                                      kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
                                      kv_events=config.kv_events and bool(config.routers),
-                                     kv_event_block_size=config.block_size))
+                                     kv_event_block_size=config.block_size,
+                                     ready_timeout_seconds=config.ready_timeout))
     if config.engine == "sglang":
         from embedmesh.services.worker.engines.sglang_engine import from_worker_config
 

@@ -109,7 +109,8 @@ class VLLMEngine(Engine):
         self._kv_subscriber: VllmKvEventSubscriber | None = None
         self._kv_dir: str | None = None
 
-    async def start(self) -> None:
+    def _build_engine(self) -> Any:
+        """Import vLLM and build its AsyncLLM (blocking: seconds to minutes)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -133,7 +134,13 @@ class VLLMEngine(Engine):
                if self.config.enable_lora else {}),
             **kv_events,
         )
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._metrics.factory()])
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self._metrics.factory()])
+
+    async def start(self) -> None:
+        # Loading blocks for seconds to minutes: do it off the event loop, so health checks answer NOT_SERVING
+        # meanwhile and early requests queue on ``_ready`` instead of timing out at the door. Built outside a
+        # running loop, AsyncLLM starts its output handler on the first request.
+        self._engine = await asyncio.to_thread(self._build_engine)
         if self.config.kv_events:
             self._kv = KvEventTranslator(self.config.kv_event_block_size, self._publish_kv)
             self._kv_subscriber = VllmKvEventSubscriber(self._kv, f"ipc://{self._kv_dir}/events",
@@ -260,7 +267,8 @@ class VLLMEngine(Engine):
         try:
             await asyncio.wait_for(self._ready.wait(), self.config.ready_timeout_seconds)
         except TimeoutError:
-            raise Unavailable("the vLLM engine did not become ready in time; retry later") from None
+            raise Unavailable(f"the vLLM engine is still loading after {self.config.ready_timeout_seconds:g} s; "
+                              "retry later, or raise --ready-timeout", reason="ENGINE_LOADING") from None
         info = self.info()
         if self._asleep:
             raise Unavailable("the worker is asleep (Sleep); call WakeUp or use another worker",
