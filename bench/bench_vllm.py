@@ -115,15 +115,17 @@ async def mesh(model: str, tokens: int) -> tuple[dict[str, float], dict[str, flo
         async with grpc.aio.insecure_channel(m.preprocessor) as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
-            async def one() -> int:
-                p = inference_pb2.CompletionParams(model="SmolLM2-135M-Instruct",
-                                                   prompt_token_ids=[inference_pb2.TokenIds(ids=PROMPT)])
-                p.sampling.max_tokens = tokens
-                p.sampling.temperature = 0
-                p.sampling.ignore_eos = True
+            async def one(embeds: bool = False) -> int:
+                p = inference_pb2.CompletionParams(model="SmolLM2-135M-Instruct")
+                if embeds:
+                    p.prompt_embeds.append(inference_pb2.PromptEmbeds(tensor=rows))
+                else:
+                    p.prompt_token_ids.append(inference_pb2.TokenIds(ids=PROMPT))
+                p.sampling.CopyFrom(sampling)
                 return (await stub.Complete(inference_pb2.CompleteRequest(params=p))).usage.completion_tokens
 
             via_mesh = {f"ids/{c}": await rate(one, c) for c in (1, 8)}
+            via_mesh.update({f"embeds/{c}": await rate(lambda: one(True), c) for c in (1, 8)})
         async with grpc.aio.insecure_channel(m.workers[0]) as ch:
             worker = worker_pb2_grpc.WorkerServiceStub(ch)
             n = 0
