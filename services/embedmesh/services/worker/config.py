@@ -57,6 +57,8 @@ class WorkerConfig:
     """vllm worker: seconds a request arriving while the engine loads waits before failing UNAVAILABLE."""
     kv_events: bool = True
     """vllm worker: publish vLLM's KV events to the routers (with --routers); off = tracked approximately."""
+    kv_events_log: str = ""
+    """vllm worker: also append every KV event sent to the routers to this file, one JSON line each (debugging)."""
     sglang_task: str = "embed"
     """sglang worker: "embed" (CPU or GPU) or "generate" (GPU only)."""
     sglang_device: str = "cpu"
@@ -115,6 +117,8 @@ class WorkerConfig:
                        help="seconds a request that arrives while the engine loads waits for it")
         p.add_argument("--no-kv-events", dest="kv_events", action="store_false",
                        default=env.get("EMBEDMESH_VLLM_KV_EVENTS", "1") != "0")
+        p.add_argument("--kv-events-log", default=env.get("EMBEDMESH_VLLM_KV_EVENTS_LOG", ""),
+                       help="append every KV event sent to the routers to this file as JSON lines")
         p.add_argument("--sglang-task", default=env.get("EMBEDMESH_SGLANG_TASK", cls.sglang_task))
         p.add_argument("--sglang-device", default=env.get("EMBEDMESH_SGLANG_DEVICE", cls.sglang_device))
         p.add_argument("--sglang-max-total-tokens", type=int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.server import Server, ServerOptions
@@ -103,9 +103,26 @@ async def serve(config: WorkerConfig) -> None:
 
             assert vllm is not None
             vllm.on_kv_events(lambda events: link.publish(to_router_events(events)))
+            if config.kv_events_log:
+                vllm.on_kv_events(_events_log(config.kv_events_log))
         link.start()
         server.on_drain(link.close)
     await server.wait_for_termination()
+
+
+def _events_log(path: str) -> Callable[[list[Any]], None]:
+    """A KV-event listener appending each translated event to ``path`` as a JSON line."""
+    import json
+
+    from embedmesh.services.worker.engines.vllm_kv_events import event_rows
+
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life, line-buffered
+    log.info("writing KV events", extra={"path": path})
+
+    def write(events: list[Any]) -> None:
+        out.writelines(json.dumps(row) + "\n" for row in event_rows(events))
+
+    return write
 
 
 def _as_vllm(engine: Engine) -> VLLMEngine | None:

@@ -218,3 +218,65 @@ def test_metrics_recorder_keeps_gauges_and_totals() -> None:
     e, _ = engine()
     e._metrics = m
     assert e.stats().queued_requests == 2 and e.engine_metrics() is s
+
+
+def _platform(monkeypatch: pytest.MonkeyPatch, sleep_mode: bool) -> None:
+    """A stand-in for ``vllm.platforms`` whose platform has (GPU) or lacks (this CPU) vLLM's sleep mode."""
+    import sys
+    import types
+
+    class Platform:
+        device_type = "cuda" if sleep_mode else "cpu"
+
+        @staticmethod
+        def is_sleep_mode_available() -> bool:
+            return sleep_mode
+
+    mod = types.ModuleType("vllm.platforms")
+    mod.current_platform = Platform()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", mod)
+
+
+def test_asleep_worker_refuses_generation_clearly_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
+    _platform(monkeypatch, sleep_mode=True)
+    e, fake = engine()
+    fake.script = [_Output([_Completion("x", [1], "stop")], True)]
+    calls: list[Any] = []
+
+    async def sleep(level: int) -> None:
+        calls.append(("sleep", level))
+
+    async def wake_up() -> None:
+        calls.append("wake")
+
+    fake.sleep = sleep  # type: ignore[attr-defined]
+    fake.wake_up = wake_up  # type: ignore[attr-defined]
+
+    async def run() -> Any:
+        await e.sleep(2)
+        with pytest.raises(Unavailable) as info:
+            await e.generate(req(TokenSegment((1,)))).__anext__()
+        assert info.value.reason == "WORKER_ASLEEP" and "WakeUp" in str(info.value)
+        await e.wake_up()
+        await e.wake_up()  # waking an awake worker is a no-op, not a second call into vLLM
+        return await e.generate(req(TokenSegment((1,)))).__anext__()
+
+    assert asyncio.run(run()).finish_reason is FinishReason.STOP
+    assert calls == [("sleep", 2), "wake"] and fake.prompts  # the request after WakeUp reached the engine
+
+
+def test_sleep_without_sleep_mode_fails_clearly_and_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedmesh.core.errors import FailedPrecondition
+
+    _platform(monkeypatch, sleep_mode=False)
+    e, fake = engine()
+    fake.script = [_Output([_Completion("x", [1], "stop")], True)]
+
+    async def run() -> Any:
+        with pytest.raises(FailedPrecondition) as info:
+            await e.sleep(1)
+        assert info.value.reason == "SLEEP_UNSUPPORTED" and "cpu" in str(info.value)
+        return await e.generate(req(TokenSegment((1,)))).__anext__()
+
+    assert asyncio.run(run()).finish_reason is FinishReason.STOP

@@ -18,6 +18,7 @@ from embedmesh.services.worker.engines.vllm_kv_events import (
     MeshKvEvent,
     Removed,
     Stored,
+    event_rows,
     to_router_events,
 )
 
@@ -304,3 +305,11 @@ def test_router_proto_events() -> None:
     assert [m.WhichOneof("kind") for m in msgs] == ["stored", "removed", "cleared"]
     assert list(msgs[0].stored.block_hashes) == [1, 2] and msgs[0].stored.parent_hash == 0
     assert list(msgs[1].removed.block_hashes) == [2]
+
+
+def test_event_rows_are_json_ready_and_keep_order() -> None:
+    import json
+
+    rows = event_rows([Stored(ROOT, (5, 6)), Removed((6,)), Cleared()])
+    assert json.loads(json.dumps(rows)) == [{"kind": "stored", "parent": ROOT, "hashes": [5, 6]},
+                                            {"kind": "removed", "hashes": [6]}, {"kind": "cleared"}]

@@ -46,6 +46,7 @@ __all__ = [
     "KvEventTranslator",
     "VllmKvEventSubscriber",
     "to_router_events",
+    "event_rows",
 ]
 
 log = get_logger(__name__)
@@ -432,6 +433,19 @@ def to_router_events(events: list[MeshKvEvent]) -> list[Any]:
         else:
             out.append(router_pb2.KvEvent(cleared=router_pb2.AllBlocksCleared()))
     return out
+
+
+def event_rows(events: list[MeshKvEvent]) -> list[dict[str, Any]]:
+    """Mesh events as JSON-ready rows (``--kv-events-log``): kind, and parent / block hashes where they apply."""
+    rows: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, Stored):
+            rows.append({"kind": "stored", "parent": e.parent_hash, "hashes": list(e.block_hashes)})
+        elif isinstance(e, Removed):
+            rows.append({"kind": "removed", "hashes": list(e.block_hashes)})
+        else:
+            rows.append({"kind": "cleared"})
+    return rows
 
 
 END_SEQ = -1
