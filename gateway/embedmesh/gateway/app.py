@@ -33,8 +33,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from embedmesh.core.logs import get_logger
-from embedmesh.core.server import insecure_channel
 from embedmesh.core.telemetry import tracer
+from embedmesh.gateway.auth import authenticate_request, forwarding_channel
 from embedmesh.gateway.completions import completion_routes
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.embeddings import embedding_routes
@@ -66,7 +66,7 @@ class Gateway:
         self.health: health_pb2_grpc.HealthStub = None  # type: ignore[assignment]
 
     async def open(self) -> None:
-        self.channel = insecure_channel(self.config.preprocessor)
+        self.channel = forwarding_channel(self.config.preprocessor)
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -138,11 +138,13 @@ def mesh_routes(gw: Gateway) -> list[Route]:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _observed(route: str, handler: Handler, *, traced: bool = True) -> Handler:
-    """Metrics, a server span (parented by an incoming W3C traceparent) and OpenAI errors for one route."""
+def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_require_key: bool = False) -> Handler:
+    """API key check, metrics, a server span (parented by an incoming W3C traceparent) and OpenAI errors for one
+    route."""
 
     async def run(request: Request) -> Response:
         try:
+            authenticate_request(request, metrics_require_key)
             return await handler(request)
         except ApiError as e:
             return error_response(e)
@@ -224,7 +226,8 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
         routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced), methods=list(r.methods or ["GET"])))
-    routes.append(Route("/metrics", _metrics, methods=["GET"]))
+    metrics = _observed("/metrics", _metrics, traced=False, metrics_require_key=config.metrics_require_key)
+    routes.append(Route("/metrics", metrics if config.metrics_require_key else _metrics, methods=["GET"]))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.gateway = gw

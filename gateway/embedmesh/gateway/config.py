@@ -7,6 +7,9 @@
     --vector-store      EMBEDMESH_VECTOR_STORE_ADDR            (none)
     --max-body-bytes    EMBEDMESH_GATEWAY_MAX_BODY_BYTES       1 GiB
     --request-timeout   EMBEDMESH_GATEWAY_REQUEST_TIMEOUT      600 s
+    --metrics-require-key EMBEDMESH_GATEWAY_METRICS_REQUIRE_KEY  off (/metrics open)
+
+API keys, TLS and the mesh token are read by ``embedmesh.core.security`` (the same flags on every service).
 
 A flag beats its env var, which beats the default.
 """
@@ -37,6 +40,8 @@ class GatewayConfig:
     """Largest request body accepted, in bytes (413 above it); at least 1 KiB."""
     request_timeout_seconds: float = 600.0
     """Deadline of each completion/embedding gRPC call, in seconds (> 0); a stream must end within it."""
+    metrics_require_key: bool = False
+    """Whether ``/metrics`` needs an API key too (when keys are configured)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -64,10 +69,13 @@ class GatewayConfig:
         p.add_argument("--request-timeout", type=float,
                        default=float(env.get("EMBEDMESH_GATEWAY_REQUEST_TIMEOUT", cls.request_timeout_seconds)),
                        help="seconds")
+        p.add_argument("--metrics-require-key", action="store_true",
+                       default=env.get("EMBEDMESH_GATEWAY_METRICS_REQUIRE_KEY", "") in ("1", "true", "yes"))
         a = p.parse_args(argv)
         try:
             return cls(host=a.host, port=a.port, preprocessor=a.preprocessor, vector_store=a.vector_store,
-                       max_body_bytes=a.max_body_bytes, request_timeout_seconds=a.request_timeout)
+                       max_body_bytes=a.max_body_bytes, request_timeout_seconds=a.request_timeout,
+                       metrics_require_key=a.metrics_require_key)
         except ValueError as e:
             p.error(str(e))
 

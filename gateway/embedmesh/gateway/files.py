@@ -6,8 +6,10 @@
     DELETE /v1/files/{file_id}        -> {id, object: "file", deleted: true}
     GET    /v1/files/{file_id}/content -> the bytes
 
-The service decides what is accepted (text-like files only: plain text, Markdown, JSON; anything else is a 400
-naming the type) and the size cap; the upload streams to it in 1 MiB chunks.
+A body that is not well-formed multipart (no boundary, a part without a name, two files) or lacks the ``file`` or
+``purpose`` field is a 400 naming the field. The service decides what is accepted (text-like files only: plain
+text, Markdown, JSON; anything else is a 400 naming the type) and the size cap; the upload streams to it in 1 MiB
+chunks.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from embedmesh.gateway.errors import bad_request, from_grpc
+from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.vector_stores import VectorStoreClient, json_response, list_json, page_request
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 
@@ -35,6 +39,20 @@ def file_json(f: pb.File) -> dict[str, Any]:
             "purpose": f.purpose, "status": "processed", "status_details": None, "expires_at": None}
 
 
+async def _parse_form(request: Request) -> FormData:
+    """The multipart body, or a 400 naming ``file`` that says what is wrong with it (no boundary, a part without a
+    name, more than one file, a field over 1 MiB, bytes that are not multipart)."""
+    try:
+        return await request.form(max_files=1, max_fields=16)
+    except (HTTPException, MultiPartException) as e:  # starlette turns MultiPartException into a 400 HTTPException
+        detail = e.detail if isinstance(e, HTTPException) else e.message
+        raise bad_request("file", f"malformed multipart/form-data body: {detail} Send fields 'file' (the file) and "
+                                  "'purpose', as the openai SDK's files.create does", "invalid_multipart") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client closed the connection while sending the body",
+                       code="client_disconnected") from None
+
+
 def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]:
     """The ``/v1/files`` routes; pass the same ``client`` as to ``vector_stores.routes`` to share one channel."""
     vs = client or VectorStoreClient(gateway)
@@ -43,7 +61,8 @@ def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("file", "upload the file as multipart/form-data with fields 'file' and 'purpose'",
                               "invalid_content_type")
-        async with request.form(max_files=1, max_fields=16) as form:
+        form = await _parse_form(request)
+        try:
             upload = form.get("file")
             purpose = form.get("purpose")
             if not isinstance(upload, UploadFile):
@@ -62,6 +81,8 @@ def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]
                 r = await vs.stub().UploadFile(parts(), timeout=vs.timeout)
             except grpc.aio.AioRpcError as e:
                 raise from_grpc(e) from None
+        finally:
+            await form.close()  # the spooled temporary file of the upload
         return json_response(file_json(r.file))
 
     async def list_files(request: Request) -> Response:

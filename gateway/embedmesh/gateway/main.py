@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.security import configure_from_argv
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.gateway.app import create_app
 from embedmesh.gateway.config import GatewayConfig
@@ -74,7 +75,7 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = GatewayConfig.from_args(argv)
+    config = GatewayConfig.from_args(configure_from_argv(argv, prog="python -m embedmesh.gateway.main"))
     setup_logging("gateway")
     setup_tracing("gateway")
     log.info("config", extra={"config": config.describe()})

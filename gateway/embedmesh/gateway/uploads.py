@@ -8,9 +8,15 @@
 
 Use the id as ``{"id": "emb-…"}`` in ``prompt_embeds`` or ``prompt_embeds_prefix`` (completions) or as a chat part
 ``{"type": "prompt_embeds", "id": "emb-…"}``. With the openai SDK: ``client.post("/prompt_embeds", body=…,
-cast_to=object)`` and ``extra_body={"prompt_embeds_prefix": {"id": …}}``. Ids are content hashes: uploading the same
-tensor twice gives the same id. They expire after their TTL (and, without Redis, can be evicted from the in-process
-cache under memory pressure); an unknown or expired id is a 404 naming the field.
+cast_to=object)`` and ``extra_body={"prompt_embeds_prefix": {"id": …}}``.
+
+Ids are random (``emb-`` + 128 random bits) and belong to the tenant of the API key that uploaded them: another
+tenant's id is a 404 exactly like an unknown one. Each upload gets a new id. The tensor is validated at upload with
+every rule that needs no model (float dtype, dense, 2-D or (1, N, H), at least one row, every value finite, size
+cap) → 400 naming ``data``; hidden size and context length are checked when the id is used. ``ttl_seconds`` must be
+between 1 and the server's maximum (30 days unless configured) → 400 naming ``ttl_seconds`` otherwise. Ids expire
+after their TTL (and, without Redis, can be evicted from the in-process cache under memory pressure); an unknown or
+expired id is a 404 naming the field.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from embedmesh.tensor.v1 import tensor_pb2
 __all__ = ["upload_routes"]
 
 _CHUNK = 1 << 20
+_UINT32_MAX = (1 << 32) - 1
 
 
 def upload_routes(gateway: Any) -> list[Route]:
@@ -47,7 +54,9 @@ def upload_routes(gateway: Any) -> list[Route]:
             raise bad_request("ttl_seconds", "must be an integer >= 1", "invalid_value")
         header = cache_pb2.PutHeader(encoding=tensor_pb2.TENSOR_ENCODING_TORCH_SAVE)
         if ttl is not None:
-            header.ttl_seconds = ttl
+            # The preprocessor refuses anything above its configured maximum (naming ttl_seconds); beyond the wire
+            # type's range there is nothing to send, and any such value is above every maximum.
+            header.ttl_seconds = min(ttl, _UINT32_MAX)
 
         async def messages() -> AsyncIterator[cache_pb2.PutRequest]:
             yield cache_pb2.PutRequest(header=header)
@@ -61,6 +70,8 @@ def upload_routes(gateway: Any) -> list[Route]:
             if err.param == "chunk":
                 err.param = "data"
                 err.message = err.message.replace("chunk:", "data:", 1)
+            elif err.param == "ttl_seconds" and ttl is not None and ttl > _UINT32_MAX:
+                err.message = err.message.rsplit(", got", 1)[0] + f", got {ttl}"
             raise err from None
         if not r.stored:
             raise ApiError(413, f"data: the tensor ({r.size_bytes} bytes) is larger than the cache", param="data",

@@ -19,8 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from embedmesh.core.server import insecure_channel
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.gateway.auth import forwarding_channel
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
+from embedmesh.services.vector_store.filters import check_json_limits
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 from embedmesh.vectorstore.v1 import vectorstore_pb2_grpc
 
@@ -54,7 +56,7 @@ class VectorStoreClient:
             if not address:
                 raise ApiError(501, "the vector store is not configured on this gateway (--vector-store)",
                                code="not_implemented", type_="not_implemented_error")
-            self._stub = vectorstore_pb2_grpc.VectorStoreServiceStub(insecure_channel(address))
+            self._stub = vectorstore_pb2_grpc.VectorStoreServiceStub(forwarding_channel(address))
         return self._stub
 
     async def call(self, method: str, request: Any) -> Any:
@@ -143,6 +145,8 @@ def _file_ids(v: Any, field: str = "file_ids") -> list[str]:
 def filter_proto(v: Any, field: str = "filters") -> pb.Filter:
     obj = _object(v, field)
     kind = obj.get("type")
+    if not isinstance(kind, str):  # an unhashable type (a list) would make the lookups below raise TypeError
+        raise bad_request(f"{field}.type", f"must be one of {', '.join([*_CMP, *_COMPOUND])}", "invalid_type")
     if kind in _COMPOUND:
         subs = obj.get("filters")
         if not isinstance(subs, list):
@@ -374,6 +378,10 @@ def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]
             raise bad_request("query", "must be a string or a list of strings", "invalid_type")
         req = pb.SearchVectorStoreRequest(vector_store_id=request.path_params["id"], queries=queries)
         if body.get("filters") is not None:
+            try:  # depth and size first: filter_proto recurses, and protobuf refuses nesting past 100 levels
+                check_json_limits(body["filters"])
+            except InvalidArgument as e:
+                raise bad_request(e.field or "filters", e.message, e.reason.lower()) from None
             req.filters.CopyFrom(filter_proto(body["filters"]))
         if body.get("max_num_results") is not None:
             n = body["max_num_results"]

@@ -5,12 +5,15 @@
     ├── NotFound                   a named thing does not exist (NOT_FOUND, HTTP 404)
     ├── FailedPrecondition         valid input the current state cannot serve (FAILED_PRECONDITION, HTTP 400)
     ├── ResourceExhausted          over a configured limit or queue full (RESOURCE_EXHAUSTED, HTTP 429)
+    ├── Unauthenticated            no credential or a wrong one (UNAUTHENTICATED, HTTP 401)
+    ├── PermissionDenied           a valid credential that may not do this (PERMISSION_DENIED, HTTP 403)
     ├── Unavailable                recoverable: a dependency is down or still loading (UNAVAILABLE, HTTP 503)
     └── InternalError              a bug or an engine failure; leaks no internals (INTERNAL, HTTP 500)
 
 Each error carries ``reason`` (UPPER_SNAKE, stable, for programs), ``field`` (the offending parameter, for people
-and OpenAI's ``param``) and ``message``. On the wire they travel as ``ErrorInfo`` (reason, domain, metadata with
-``field``) and, for field errors, ``BadRequest.FieldViolation`` — never as strings in a response field.
+and OpenAI's ``param``), ``message`` and, for retryable refusals, ``retry_after_seconds``. On the wire they
+travel as ``ErrorInfo`` (reason, domain, metadata with ``field`` and ``retry_after_seconds``) and, for field
+errors, ``BadRequest.FieldViolation`` — never as strings in a response field.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = [
     "NotFound",
     "FailedPrecondition",
     "ResourceExhausted",
+    "Unauthenticated",
+    "PermissionDenied",
     "Unavailable",
     "InternalError",
     "to_status",
@@ -44,11 +49,14 @@ class EmbedmeshError(Exception):
     code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
     default_reason: ClassVar[str] = "UNKNOWN"
 
-    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None,
+                 retry_after_seconds: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
         self.reason = reason or self.default_reason
+        self.retry_after_seconds = retry_after_seconds
+        """When set, the caller may retry after this many seconds (HTTP ``Retry-After``)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, field={self.field!r}, reason={self.reason!r})"
@@ -82,6 +90,20 @@ class ResourceExhausted(EmbedmeshError):
     default_reason = "RESOURCE_EXHAUSTED"
 
 
+class Unauthenticated(EmbedmeshError):
+    """No credential, or one the mesh does not know; send a valid API key (``Authorization: Bearer``)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "INVALID_API_KEY"
+
+
+class PermissionDenied(EmbedmeshError):
+    """The credential is valid but may not call this (admin plane, mesh-internal RPCs)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
 class Unavailable(EmbedmeshError):
     """A dependency is down, draining or still loading; retrying may succeed."""
 
@@ -98,7 +120,8 @@ class InternalError(EmbedmeshError):
 
 _BY_CODE: dict[grpc.StatusCode, type[EmbedmeshError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, InternalError)
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unauthenticated, PermissionDenied,
+                Unavailable, InternalError)
 }
 
 
@@ -108,6 +131,8 @@ def to_status(err: EmbedmeshError) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN)
     if err.field:
         info.metadata["field"] = err.field
+    if err.retry_after_seconds is not None:
+        info.metadata["retry_after_seconds"] = f"{max(0.0, err.retry_after_seconds):.3f}"
     packed = any_pb2.Any()
     packed.Pack(info)
     details.append(packed)
@@ -145,6 +170,7 @@ def from_rpc_error(e: grpc.RpcError) -> EmbedmeshError:
     message = (e.details() if hasattr(e, "details") else None) or str(e)
     field = None
     reason = None
+    retry_after: float | None = None
     status = _status_details(e)
     if status is not None:
         for detail in status.details:
@@ -153,10 +179,14 @@ def from_rpc_error(e: grpc.RpcError) -> EmbedmeshError:
                 detail.Unpack(info)
                 reason = info.reason
                 field = info.metadata.get("field") or field
+                try:
+                    retry_after = float(info.metadata["retry_after_seconds"])
+                except (KeyError, ValueError):
+                    pass
     cls = _BY_CODE.get(code)
     if cls is None:
         if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             cls = Unavailable
         else:
             cls = InternalError
-    return cls(message, field=field, reason=reason)
+    return cls(message, field=field, reason=reason, retry_after_seconds=retry_after)

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core.errors import InvalidArgument
 
-__all__ = ["SamplingParams", "sampling_from_proto", "DEFAULT_MAX_TOKENS"]
+__all__ = ["SamplingParams", "sampling_from_proto", "choice_seed", "DEFAULT_MAX_TOKENS", "SEED_MIN", "SEED_MAX"]
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's completions default."""
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+"""``seed`` is any int64, as in OpenAI's API (and the proto field)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``seed``: ``seed + index`` wrapped into the int64 range, so the
+    ``n`` choices of one request differ, a repeated request gives the same texts, and ``SEED_MAX`` with ``n > 1``
+    still fits the proto field (it wraps to ``SEED_MIN``)."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -1,5 +1,10 @@
 """One server bootstrap for every service: grpc.aio server, message-size limits, health, reflection,
-the error interceptor, and a graceful drain on SIGTERM/SIGINT.
+the error interceptor (which also authenticates each call, see ``embedmesh.core.auth``), TLS (see
+``embedmesh.core.tls``), and a graceful drain on SIGTERM/SIGINT.
+
+Drain order (SIGTERM): health NOT_SERVING everywhere → ``on_drain_start`` hooks (e.g. leave the router) → the
+server stops accepting new calls and in-flight calls run to completion, bounded by ``grace_seconds`` → only then the
+``on_drain`` hooks shut engines and close channels → the process exits. A stream in flight therefore ends normally.
 
 Health: every registered service name (and "" for the whole server) starts NOT_SERVING; the service flips
 itself to SERVING once loaded (``Server.set_serving``) and everything goes back to NOT_SERVING when draining,
@@ -22,8 +27,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
+from prometheus_client import Counter
 
-from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
+from embedmesh.core import auth, tls
+from embedmesh.core.auth import Access
+from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
     RPC_LATENCY,
@@ -34,7 +42,8 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "ErrorInterceptor", "LIVENESS"]
+__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "ErrorInterceptor",
+           "LIVENESS", "Access"]
 
 LIVENESS = "embedmesh.Liveness"
 """Health name that is SERVING while the process runs (for liveness probes): readiness names go NOT_SERVING
@@ -43,6 +52,9 @@ when a dependency is missing, and restarting the process would not bring that de
 log = get_logger(__name__)
 
 MiB = 1024 * 1024
+
+TENANT_REQUESTS = Counter("embedmesh_tenant_requests_total", "RPCs per tenant (named by tenant, never by key)",
+                          ["service", "tenant", "code"])
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ class ServerOptions:
     """How long in-flight calls may finish after a drain starts (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 = none."""
+    public: bool = False
+    """A port outside clients reach (the preprocessor's): with TLS it does not demand a client certificate
+    (clients authenticate with API keys; mesh callers with the mesh token). Internal ports demand one."""
 
 
 def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]:
@@ -72,11 +87,51 @@ def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]
     ]
 
 
-def insecure_channel(address: str, max_message_bytes: int = 512 * MiB) -> grpc.aio.Channel:
-    """An aio channel to another mesh service with the mesh's options."""
-    return grpc.aio.insecure_channel(
-        address, options=channel_options(max_message_bytes), interceptors=TracingClientInterceptor()
-    )
+class _MeshTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                            grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds the mesh token to every call of an internal channel."""
+
+    def __init__(self, token: str) -> None:
+        self._md = (tls.MESH_TOKEN_HEADER, token)
+
+    def _with_token(self, details: Any) -> Any:
+        md = list(details.metadata or [])
+        md.append(self._md)
+        return details._replace(metadata=md)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._with_token(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_token(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._with_token(details), request_iterator)
+
+
+def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token: bool = True,
+                 interceptors: list[Any] | None = None) -> grpc.aio.Channel:
+    """An aio channel to another mesh service with the mesh's options, and its credentials: TLS with this
+    service's certificate when the process has TLS configured, the mesh token when it has one.
+
+    ``mesh_token=False`` for channels that carry calls on behalf of outside clients (the gateway's): those calls
+    are authenticated by the client's own API key, never by the mesh's token."""
+    sec = tls.current()
+    interceptors = [*TracingClientInterceptor(), *(interceptors or [])]
+    if sec.mesh_token and mesh_token:
+        interceptors.append(_MeshTokenInterceptor(sec.mesh_token))
+    creds = sec.channel_credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes),
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes), interceptors=interceptors)
+
+
+insecure_channel = mesh_channel
+"""Former name of ``mesh_channel`` (plaintext only when the process has no TLS configured)."""
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: EmbedmeshError) -> None:
@@ -96,6 +151,7 @@ class _Observed:
         self.method = method.rsplit("/", 1)[-1]
         self.full = method
         self.code = "OK"
+        self.tenant = ""
         self._span_cm = tracer().start_as_current_span(
             f"{service_name()} {self.method}", context=extract_context(metadata), kind=trace.SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.method": method},
@@ -117,13 +173,96 @@ class _Observed:
         self._span_cm.__exit__(None, None, None)
         RPC_REQUESTS.labels(service_name(), self.method, self.code).inc()
         RPC_LATENCY.labels(service_name(), self.method).observe(time.perf_counter() - self._t0)
+        if self.tenant:
+            TENANT_REQUESTS.labels(service_name(), self.tenant, self.code).inc()
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any) -> Callable[..., Awaitable[Any]]:
+class _BadMessage:
+    """Stands in for a request whose bytes did not parse as the RPC's protobuf message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe_deserializer(deserialize: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    """Parse request bytes; bytes that are not the method's message become a ``_BadMessage`` (the handler then
+    answers INVALID_ARGUMENT) instead of gRPC's UNKNOWN/INTERNAL."""
+    if deserialize is None:
+        return None
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError and friends: the client's bytes, not our bug
+            return _BadMessage(type(e).__name__)
+
+    return parse
+
+
+def _bad_message(method: str, m: _BadMessage) -> InvalidArgument:
+    return InvalidArgument(f"request: the bytes sent to {method} are not a valid protobuf message of its request "
+                           f"type ({m.error})", field="request", reason="MALFORMED_MESSAGE")
+
+
+async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for r in requests:
+        if isinstance(r, _BadMessage):
+            raise _bad_message(method, r)
+        yield r
+
+
+def _peer_has_mesh_cert(context: grpc.aio.ServicerContext) -> bool:
+    try:
+        ac = context.auth_context()
+    except Exception:  # noqa: BLE001 - no auth context on plaintext ports
+        return False
+    return bool(ac.get("x509_pem_cert") or ac.get("x509_common_name"))
+
+
+def _md_value(metadata: Any, key: str) -> str:
+    for item in metadata or ():
+        k, v = item if isinstance(item, tuple) else (item.key, item.value)
+        if k == key:
+            return v if isinstance(v, str) else v.decode("latin-1")
+    return ""
+
+
+class _Authorizer:
+    """Authenticates one call for its access level and holds the tenant's concurrency slot while it runs."""
+
+    def __init__(self, access: Access, require_client_cert: bool) -> None:
+        self.access = access
+        self.require_client_cert = require_client_cert
+
+    def principal(self, metadata: Any, context: grpc.aio.ServicerContext) -> auth.Principal:
+        sec = tls.current()
+        return auth.authenticate(
+            self.access,
+            authorization=_md_value(metadata, "authorization"),
+            mesh_cert=self.require_client_cert and _peer_has_mesh_cert(context),
+            mesh_token=_md_value(metadata, tls.MESH_TOKEN_HEADER),
+            tenant_header=_md_value(metadata, auth.TENANT_HEADER),
+            security_enabled=sec.enabled,
+            token_ok=sec.token_matches(_md_value(metadata, tls.MESH_TOKEN_HEADER)),
+        )
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
+                authz: _Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         with _Observed(method, metadata) as obs:
+            owed: auth.Principal | None = None
             try:
-                return await fn(request, context)
+                principal = authz.principal(metadata, context) if authz else auth.current_principal()
+                obs.tenant = principal.tenant
+                if streaming_in:
+                    request = _checked_stream(request, method)
+                elif isinstance(request, _BadMessage):
+                    raise _bad_message(method, request)
+                if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
+                    owed = principal
+                with auth.principal_scope(principal):
+                    return await fn(request, context)
             except EmbedmeshError as e:
                 obs.fail(e.code.name)
                 await _abort(context, e)
@@ -132,18 +271,32 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any) -
             except Exception as e:  # noqa: BLE001 - the one place unexpected errors become INTERNAL
                 obs.fail("INTERNAL")
                 await _abort(context, _unexpected(e, method))
+            finally:
+                if owed is not None:
+                    auth.limiter().release(owed)
 
     return wrapper
 
 
 def _wrap_stream(
-    fn: Callable[..., AsyncIterator[Any]], method: str, metadata: Any
+    fn: Callable[..., AsyncIterator[Any]], method: str, metadata: Any,
+    authz: _Authorizer | None = None, streaming_in: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         with _Observed(method, metadata) as obs:
+            owed: auth.Principal | None = None
             try:
-                async for item in fn(request, context):
-                    yield item
+                principal = authz.principal(metadata, context) if authz else auth.current_principal()
+                obs.tenant = principal.tenant
+                if streaming_in:
+                    request = _checked_stream(request, method)
+                elif isinstance(request, _BadMessage):
+                    raise _bad_message(method, request)
+                if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
+                    owed = principal
+                with auth.principal_scope(principal):
+                    async for item in fn(request, context):
+                        yield item
             except EmbedmeshError as e:
                 obs.fail(e.code.name)
                 await _abort(context, e)
@@ -152,13 +305,22 @@ def _wrap_stream(
             except Exception as e:  # noqa: BLE001
                 obs.fail("INTERNAL")
                 await _abort(context, _unexpected(e, method))
+            finally:
+                if owed is not None:
+                    auth.limiter().release(owed)
 
     return wrapper
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps domain exceptions to status codes with details (anything else becomes INTERNAL with an incident id),
-    and gives every RPC a server span (parented by the caller's traceparent) and Prometheus counts/latency."""
+    gives every RPC a server span (parented by the caller's traceparent) and Prometheus counts/latency,
+    authenticates it for its access level (``access_for``), and turns request bytes that are not a protobuf of the
+    RPC's type into INVALID_ARGUMENT."""
+
+    def __init__(self, access_for: Callable[[str], Access] | None = None, require_client_cert: bool = False) -> None:
+        self._access_for = access_for
+        self._require_client_cert = require_client_cert
 
     async def intercept_service(
         self,
@@ -173,23 +335,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         # Health and reflection handle their own errors and are not traced (probes would drown the traces).
         if method.startswith("/grpc.health") or method.startswith("/grpc.reflection"):
             return handler
+        access = self._access_for(method) if self._access_for else None
+        authz = _Authorizer(access, self._require_client_cert) if access is not None else None
         kw = dict(
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_safe_deserializer(handler.request_deserializer, method),
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, md), **kw)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, md, authz), **kw)
         if handler.unary_stream:
             fn = handler.unary_stream
             if inspect.isasyncgenfunction(fn):
-                return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method, md), **kw)
+                return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method, md, authz), **kw)
             return handler
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method, md), **kw)
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method, md, authz, streaming_in=True), **kw)
         if handler.stream_stream:
             fn = handler.stream_stream
             if inspect.isasyncgenfunction(fn):
-                return grpc.stream_stream_rpc_method_handler(_wrap_stream(fn, method, md), **kw)
+                return grpc.stream_stream_rpc_method_handler(
+                    _wrap_stream(fn, method, md, authz, streaming_in=True), **kw)
         return handler
 
 
@@ -209,24 +375,48 @@ class Server:
     def __init__(self, name: str, options: ServerOptions) -> None:
         self.name = name
         self.options = options
+        self._access: dict[str, Access] = {}
+        self._require_client_cert = tls.current().tls is not None and not options.public
         self._server = grpc.aio.server(
-            interceptors=[ErrorInterceptor()], options=channel_options(options.max_message_bytes)
+            interceptors=[ErrorInterceptor(self._access_for, self._require_client_cert)],
+            options=channel_options(options.max_message_bytes),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._service_names: list[str] = []
         self.port = 0
         self._stopped = asyncio.Event()
+        self._draining = False
         self._drain_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_start_hooks: list[Callable[[], Awaitable[None]]] = []
 
-    def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str) -> None:
-        """Register a servicer under its fully qualified service name (for health and reflection)."""
+    def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str,
+            access: Access = Access.MESH, methods: dict[str, Access] | None = None) -> None:
+        """Register a servicer under its fully qualified service name (for health and reflection).
+
+        ``access``: who may call its RPCs (default: mesh callers and admin keys only); ``methods`` overrides it
+        per RPC name (e.g. ``{"Stats": Access.ADMIN}``)."""
         register(servicer, self._server)
         self._service_names.append(full_name)
+        self._access[full_name] = access
+        for m, a in (methods or {}).items():
+            self._access[f"{full_name}/{m}"] = a
+
+    def _access_for(self, method: str) -> Access:
+        name = method.lstrip("/")
+        if name in self._access:
+            return self._access[name]
+        return self._access.get(name.rsplit("/", 1)[0], Access.MESH)
 
     def on_drain(self, hook: Callable[[], Awaitable[None]]) -> None:
-        """Run ``hook`` when the server starts draining (before in-flight calls are waited for)."""
+        """Run ``hook`` once the server has stopped and in-flight calls have finished (shut engines, close
+        channels): nothing still being served depends on what it closes."""
         self._drain_hooks.append(hook)
+
+    def on_drain_start(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``hook`` as soon as a drain starts, before in-flight calls are waited for (leave a registry, stop
+        taking work from elsewhere); it must not break calls in flight."""
+        self._drain_start_hooks.append(hook)
 
     @property
     def address(self) -> str:
@@ -235,7 +425,12 @@ class Server:
     async def start(self) -> None:
         names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self._server)
-        self.port = self._server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        creds = tls.current().server_credentials(require_client_cert=self._require_client_cert)
+        bind = f"{self.options.host}:{self.options.port}"
+        if creds is not None:
+            self.port = self._server.add_secure_port(bind, creds)
+        else:
+            self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: could not bind {self.options.host}:{self.options.port}")
         await self.set_serving(False)
@@ -246,7 +441,9 @@ class Server:
 
             start_http_server(self.options.metrics_port, addr=self.options.host)
         log.info("listening", extra={"address": self.address, "services": self._service_names,
-                                     "metrics_port": self.options.metrics_port})
+                                     "metrics_port": self.options.metrics_port,
+                                     "tls": "off" if tls.current().tls is None else
+                                     ("server" if not self._require_client_cert else "mutual")})
 
     async def set_serving(self, serving: bool, names: Iterable[str] | None = None) -> None:
         """Flip health for the given service names (default: all, plus the server-wide "")."""
@@ -255,19 +452,26 @@ class Server:
             await self.health.set(name, status)
 
     async def drain(self) -> None:
-        """NOT_SERVING everywhere, run drain hooks, let in-flight calls finish for ``grace_seconds``, stop."""
-        if self._stopped.is_set():
+        """NOT_SERVING everywhere, drain-start hooks, stop accepting and let in-flight calls finish (bounded by
+        ``grace_seconds``), then the drain hooks (engines, channels), then stop."""
+        if self._stopped.is_set() or self._draining:
             return
+        self._draining = True
         log.info("draining", extra={"grace_seconds": self.options.grace_seconds})
         await self.set_serving(False)
-        for hook in self._drain_hooks:
+        await self._run_hooks(self._drain_start_hooks)
+        await self._server.stop(self.options.grace_seconds)
+        await self._run_hooks(self._drain_hooks)
+        self._stopped.set()
+        log.info("stopped")
+
+    @staticmethod
+    async def _run_hooks(hooks: list[Callable[[], Awaitable[None]]]) -> None:
+        for hook in hooks:
             try:
                 await hook()
             except Exception:  # noqa: BLE001 - a failing hook must not block shutdown
                 log.exception("drain hook failed")
-        await self._server.stop(self.options.grace_seconds)
-        self._stopped.set()
-        log.info("stopped")
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT start a graceful drain."""

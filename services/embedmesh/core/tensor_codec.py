@@ -11,10 +11,20 @@ Accepted containers:
 
 Both return ``(array, DataType)``; the array is C-contiguous, owns its memory, and holds bfloat16 as raw uint16
 bits (see ``embedmesh.core.tensors``). Integer and bool tensors decode too, so the caller can refuse them by dtype
-rather than with a parse error. Every failure is an ``InvalidArgument`` naming the caller's field, with one of
-these reasons:
+rather than with a parse error.
 
-    NOT_A_TENSOR       not one readable dense tensor (random bytes, a dict or list, truncated or inconsistent file)
+Sizes are bounded before arithmetic: rank and every dimension first (``tensors.check_shape``), then the element
+count (an exact Python int) against the cap, then strides and the storage offset against the storage, all before
+numpy sees a shape or a stride. Views (slices, transposes, ``expand``) decode to their values, as ``torch.load``
+would give them; a stride of a dimension of size 0 or 1 addresses nothing and is ignored. Every failure is an
+``InvalidArgument`` naming the caller's field, with one of these reasons:
+
+    NOT_A_TENSOR       not one readable dense tensor (random bytes, a dict or list, truncated or inconsistent file,
+                       a shape or offset that needs more elements than the storage holds)
+    BAD_RANK           more than ``tensors.MAX_RANK`` (8) dimensions
+    INVALID_SHAPE      a dimension outside [0, 2**31]
+    BAD_STRIDES        a stride of 2**63 or more (not an int64, so no torch tensor has it), or strides that address
+                       elements past the storage although the storage holds as many elements as the shape
     LEGACY_FORMAT      torch's pre-1.6 non-zip serialization, or a bare pickle
     UNSAFE_PICKLE      the pickle names a global a plain tensor never needs (refused unexecuted)
     SPARSE_TENSOR      a sparse layout (COO, CSR, ...)
@@ -36,7 +46,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.tensors import BF16_STORAGE
+from embedmesh.core.tensors import BF16_STORAGE, check_shape, format_dims
 from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["decode_tensor_bytes", "decode_torch_save", "decode_safetensors", "format_bytes", "check_cap"]
@@ -48,6 +58,8 @@ _MAX_PICKLE_BYTES = 1 << 20
 """data.pkl of one tensor is a few hundred bytes; anything large is not a plain tensor."""
 _MAX_SAFETENSORS_HEADER = 1 << 20
 """The JSON header of a one-tensor safetensors file is under a hundred bytes."""
+_MAX_STRIDE = (1 << 63) - 1
+"""torch strides are int64."""
 
 # torch storage class -> (numpy dtype, DataType). These are the dtypes torch.save writes with _rebuild_tensor_v2;
 # newer ones (float8, uint16/32/64, complex32) go through _rebuild_tensor_v3, which is refused as a dtype.
@@ -279,26 +291,21 @@ def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
         raise _bad(field, "NOT_A_TENSOR", f"the file holds a {kind}, not one tensor; torch.save a single tensor")
 
     np_dtype, dtype = _STORAGES[obj.storage.name]
-    count = 1
-    for d in obj.size:
-        count *= d
-    # Both sizes come from the pickle alone: nothing proportional to them has been allocated yet.
+    # Everything below comes from the pickle alone and is checked with Python ints: nothing proportional to it
+    # has been allocated, and numpy sees a shape or a stride only once the layout is known to be in bounds.
+    count = check_shape(obj.size, field)
     check_cap(field, count * np_dtype.itemsize, max_bytes, cap_name=cap_name)
-    storage_bytes = obj.storage.numel * np_dtype.itemsize
+    numel = obj.storage.numel
+    storage_bytes = numel * np_dtype.itemsize
     check_cap(field, storage_bytes, max_bytes, "storage size", cap_name=cap_name)
-    if count:
-        last = obj.offset + sum((d - 1) * s for d, s in zip(obj.size, obj.stride, strict=True))
-        if last >= obj.storage.numel:
-            raise _bad(field, "NOT_A_TENSOR",
-                       f"shape {list(obj.size)} with strides {list(obj.stride)} at offset {obj.offset} reaches "
-                       f"element {last}, past the storage's {obj.storage.numel}")
+    strides = _checked_strides(obj, count, field)
     storage = _read_storage(archive, data, f"{prefix}data/{obj.storage.key}", storage_bytes, field)
-    flat = np.frombuffer(storage, dtype=np_dtype, count=obj.storage.numel)
+    flat = np.frombuffer(storage, dtype=np_dtype, count=numel)
     if count == 0:
         out = np.zeros(obj.size, dtype=np_dtype)
     else:
         view = np.lib.stride_tricks.as_strided(
-            flat[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in obj.stride),
+            flat[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in strides),
             writeable=False,
         )
         out = np.array(view, order="C", copy=True)  # the one dense copy; frees us from the request's bytes
@@ -307,6 +314,32 @@ def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
     if obj.negated:
         _negate(out, dtype, field)
     return out, dtype
+
+
+def _checked_strides(obj: _TensorRef, count: int, field: str) -> tuple[int, ...]:
+    """The strides to hand numpy: every element the view addresses lies inside the storage.
+
+    Called after the shape and the storage passed the cap, so each stride kept is below the storage's element
+    count and its byte stride cannot overflow. Strides of dimensions of size 0 or 1 address nothing: they become 0.
+    """
+    numel = obj.storage.numel
+    if any(s > _MAX_STRIDE for s in obj.stride):
+        raise _bad(field, "BAD_STRIDES", f"strides {format_dims(obj.stride)} are not 64-bit integers; {_DENSE_HINT}")
+    if obj.offset > numel:
+        raise _bad(field, "NOT_A_TENSOR",
+                   f"storage offset {obj.offset} is past the end of the {numel}-element storage (truncated file?)")
+    if count == 0:
+        return (0,) * len(obj.size)
+    last = obj.offset + sum((d - 1) * s for d, s in zip(obj.size, obj.stride, strict=True))
+    if last >= numel:
+        if obj.offset + count > numel:  # even a dense layout would not fit: the storage is short
+            raise _bad(field, "NOT_A_TENSOR",
+                       f"shape {format_dims(obj.size)} at offset {obj.offset} needs {obj.offset + count} elements, "
+                       f"but the storage holds {numel} (truncated or inconsistent file)")
+        raise _bad(field, "BAD_STRIDES",
+                   f"shape {format_dims(obj.size)} with strides {format_dims(obj.stride)} at offset {obj.offset} "
+                   f"reaches element {last}, past the storage's {numel}; {_DENSE_HINT}")
+    return tuple(s if d > 1 else 0 for d, s in zip(obj.size, obj.stride, strict=True))
 
 
 def _read_storage(archive: zipfile.ZipFile, data: bytes, name: str, nbytes: int, field: str) -> memoryview | bytes:
@@ -385,22 +418,20 @@ def decode_safetensors(data: bytes, *, max_bytes: int, field: str,
     if not isinstance(meta, dict):
         raise _bad(field, "NOT_A_TENSOR", "safetensors tensor entry is not an object")
     kind, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if kind not in _SAFETENSORS_DTYPES:
+    if not isinstance(kind, str) or kind not in _SAFETENSORS_DTYPES:
         raise _bad(field, "UNSUPPORTED_DTYPE", f"safetensors dtype {str(kind)[:16]!r} is not supported; send F32, "
                                                f"F16, BF16 or F64")
     if (not isinstance(shape, list) or not all(_is_index(d) for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets)):
         raise _bad(field, "NOT_A_TENSOR", "safetensors shape or data_offsets malformed")
     np_dtype, dtype = _SAFETENSORS_DTYPES[kind]
-    count = 1
-    for d in shape:
-        count *= d
+    count = check_shape(shape, field)
     nbytes = count * np_dtype.itemsize
     check_cap(field, nbytes, max_bytes, cap_name=cap_name)
     begin, end = offsets
     if end - begin != nbytes or end > len(data) - 8 - n:
         raise _bad(field, "NOT_A_TENSOR",
-                   f"safetensors data_offsets [{begin}, {end}] do not match shape {shape} of {kind} and the "
-                   f"{len(data) - 8 - n}-byte body")
+                   f"safetensors data_offsets {format_dims(offsets)} do not match shape {format_dims(shape)} of "
+                   f"{kind} and the {len(data) - 8 - n}-byte body")
     arr = np.frombuffer(data, dtype=np_dtype, count=count, offset=8 + n + begin).reshape(shape)
     return arr.copy(), dtype

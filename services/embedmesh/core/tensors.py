@@ -3,10 +3,18 @@
 bfloat16 has no numpy dtype: it is carried as its raw uint16 bit pattern (``BF16_STORAGE``) and widened to
 float32 by a shift when a computation needs values. Element size and byte count are checked before any
 array is built, so a lying header cannot make us allocate.
+
+Shape rules, shared with ``tensor_codec`` (``check_shape``), each an InvalidArgument naming the field:
+- at most ``MAX_RANK`` (8) dimensions (BAD_RANK); prompt embeddings need 3 at most, the rest is headroom for
+  generic tensors such as encoder-cache uploads, and numpy itself stops at 64
+- every dimension in ``[0, MAX_DIM]`` (INVALID_SHAPE)
+Element counts are exact Python ints computed only after both rules hold, so no product of dimensions can
+overflow a 64-bit integer before it is compared with a byte length or a cap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,11 +34,21 @@ __all__ = [
     "element_size",
     "numpy_dtype",
     "is_float",
+    "check_shape",
+    "format_dims",
+    "MAX_RANK",
+    "MAX_DIM",
 ]
 
 DType = int  # a tensor_pb2.DataType value
 
 BF16_STORAGE = np.dtype("<u2")
+
+MAX_RANK = 8
+"""Most dimensions a tensor may have on the wire (prompt embeddings: 2 or 3; numpy's own limit is 64)."""
+MAX_DIM = 1 << 31
+"""Largest single dimension. With at most MAX_RANK of them every element count is an exact int far below what
+Python handles, and it is checked against the data length or a byte cap before numpy sees the shape."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,35 @@ def is_float(dtype: DType) -> bool:
     return dtype in _INFO and _INFO[dtype].is_float
 
 
+def _num(v: int) -> str:
+    # Only for messages: str() of a 5000-digit int raises ValueError in Python >= 3.11.
+    return str(v) if -(10**20) < v < 10**20 else f"{'-' if v < 0 else ''}~2**{abs(v).bit_length() - 1}"
+
+
+def format_dims(dims: Sequence[int], limit: int = MAX_RANK) -> str:
+    """A shape or strides for an error message: huge values as powers of two, long lists cut."""
+    shown = ", ".join(_num(d) for d in list(dims[:limit]))
+    return f"[{shown}{f', ... ({len(dims)} dims)' if len(dims) > limit else ''}]"
+
+
+def check_shape(shape: Sequence[int], field: str) -> int:
+    """Refuse a shape with more than MAX_RANK dimensions (BAD_RANK) or a dimension outside ``[0, MAX_DIM]``
+    (INVALID_SHAPE); return the exact element count. ``shape`` holds ints (callers check types first)."""
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(
+            f"{field}: {len(shape)} dimensions; a tensor may have at most {MAX_RANK} (prompt embeddings: 2 or 3)",
+            field=field, reason="BAD_RANK")
+    for d in shape:
+        if not 0 <= d <= MAX_DIM:
+            raise InvalidArgument(
+                f"{field}: every dimension must be in [0, 2**31], got shape {format_dims(shape)}",
+                field=field, reason="INVALID_SHAPE")
+    count = 1
+    for d in shape:
+        count *= d  # at most (2**31)**8: exact, and no 64-bit product is ever formed
+    return count
+
+
 def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarray, DType]:
     """View a Tensor message's bytes as an array (bf16 as its uint16 bits). Checks dtype, shape and length."""
     info = _INFO.get(msg.dtype)
@@ -85,20 +132,17 @@ def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarr
         raise InvalidArgument(f"{field}.dtype: unsupported data type {msg.dtype}", field=f"{field}.dtype",
                               reason="UNSUPPORTED_DTYPE")
     shape = tuple(int(d) for d in msg.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{field}.shape: dimensions must be >= 0, got {list(shape)}", field=f"{field}.shape",
-                              reason="INVALID_SHAPE")
-    count = 1
-    for d in shape:
-        count *= d
+    count = check_shape(shape, f"{field}.shape")
     expected = count * info.numpy.itemsize
-    if len(msg.data) != expected:
+    data = msg.data  # read once: each read of a bytes field may copy
+    if len(data) != expected:
         raise InvalidArgument(
-            f"{field}.data: {len(msg.data)} bytes but shape {list(shape)} of {info.name} needs {expected}",
+            f"{field}.data: {len(data)} bytes but shape {format_dims(shape)} of {info.name} needs "
+            f"{_num(expected)}",
             field=f"{field}.data",
             reason="DATA_SIZE_MISMATCH",
         )
-    arr = np.frombuffer(msg.data, dtype=info.numpy).reshape(shape)
+    arr = np.frombuffer(data, dtype=info.numpy).reshape(shape)
     return arr, msg.dtype
 
 

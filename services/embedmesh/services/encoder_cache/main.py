@@ -9,6 +9,7 @@ import os
 
 from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.encoder_cache.service import SERVICE_NAME, EncoderCacheServicer
@@ -49,7 +50,7 @@ async def serve(options: ServerOptions, config: CacheConfig, max_tensor_bytes: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    options, config, max_bytes = parse(argv)
+    options, config, max_bytes = parse(configure_from_argv(argv, prog="embedmesh-encoder-cache"))
     setup_logging("encoder-cache")
     setup_tracing("encoder-cache")
     asyncio.run(serve(options, config, max_bytes))

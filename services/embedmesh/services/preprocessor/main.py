@@ -6,7 +6,9 @@ import asyncio
 
 from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.logs import get_logger, setup_logging
-from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.security import configure_from_argv
+from embedmesh.core.security import describe as describe_security
+from embedmesh.core.server import Access, Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.inference.v1 import inference_pb2_grpc
 from embedmesh.services.encoder_cache.service import SERVICE_NAME as CACHE_SERVICE
@@ -55,12 +57,15 @@ async def serve(config: PreprocessorConfig) -> None:
                                     default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
                                                   max_message_bytes=config.max_message_bytes,
-                                                  metrics_port=config.metrics_port))
+                                                  metrics_port=config.metrics_port, public=True))
+    # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME)
+               InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME,
+               access=Access.PUBLIC)
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
-               EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE)
+               EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE,
+               access=Access.PUBLIC, methods={"Stats": Access.ADMIN})
     server.on_drain(cache.close)
     if router is not None:
         server.on_drain(router.close)
@@ -76,10 +81,10 @@ async def serve(config: PreprocessorConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = PreprocessorConfig.from_args(argv)
+    config = PreprocessorConfig.from_args(configure_from_argv(argv, prog="embedmesh-preprocessor"))
     setup_logging("preprocessor")
     setup_tracing("preprocessor")
-    log.info("config", extra={"config": config.describe()})
+    log.info("config", extra={"config": config.describe(), "security": describe_security()})
     asyncio.run(serve(config))
 
 

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2_grpc
@@ -52,7 +53,7 @@ async def serve(config: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = RouterConfig.from_args(argv)
+    config = RouterConfig.from_args(configure_from_argv(argv, prog="embedmesh-router"))
     setup_logging("router")
     setup_tracing("router")
     log.info("config", extra={"config": config.describe()})

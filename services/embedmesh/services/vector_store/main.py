@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from embedmesh.core.logs import get_logger, setup_logging
-from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.security import configure_from_argv
+from embedmesh.core.server import Access, Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.vector_store.config import VectorStoreConfig
 from embedmesh.services.vector_store.servicer import SERVICE_NAME, VectorStoreServicer
@@ -28,7 +29,7 @@ async def start(config: VectorStoreConfig) -> tuple[Server, VectorStores]:
                                                   max_message_bytes=config.max_message_bytes,
                                                   metrics_port=config.metrics_port))
     server.add(vectorstore_pb2_grpc.add_VectorStoreServiceServicer_to_server,
-               VectorStoreServicer(api, config.max_file_bytes), SERVICE_NAME)
+               VectorStoreServicer(api, config.max_file_bytes), SERVICE_NAME, access=Access.PUBLIC)
     server.on_drain(api.close)
     await server.start()
     requeued = await api.start()
@@ -48,7 +49,7 @@ async def serve(config: VectorStoreConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = VectorStoreConfig.from_args(argv)
+    config = VectorStoreConfig.from_args(configure_from_argv(argv, prog="embedmesh-vector-store"))
     setup_logging("vector-store")
     setup_tracing("vector-store")
     log.info("config", extra={"config": config.describe()})

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from embedmesh.core.logs import get_logger, setup_logging
+from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2
@@ -140,7 +141,7 @@ def _kv_snapshot(engine: VLLMEngine | None) -> Callable[[], list[router_pb2.KvEv
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = WorkerConfig.from_args(argv)
+    config = WorkerConfig.from_args(configure_from_argv(argv, prog="embedmesh-worker"))
     setup_logging("worker")
     setup_tracing("worker")
     log.info("config", extra={"config": config.describe()})

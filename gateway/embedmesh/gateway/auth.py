@@ -1,0 +1,81 @@
+"""Client authentication at the REST edge.
+
+Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` when API keys are configured (the same key ring the
+gRPC services load, see ``embedmesh.core.auth``): a missing or wrong key is a 401 with OpenAI's error JSON
+(``invalid_api_key``) before the body is read. ``/health`` is open; ``/metrics`` is open unless
+``--metrics-require-key`` is set.
+
+The gateway holds no privilege of its own over client data: it forwards the client's ``Authorization`` header as
+gRPC metadata on every call it makes for the request (``forwarding_channel``), and the preprocessor and vector
+store authenticate the key again and derive the tenant themselves. Its channels never carry the mesh token.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+
+from embedmesh.core import auth
+from embedmesh.core.server import mesh_channel
+from embedmesh.gateway.errors import ApiError
+
+__all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
+
+_authorization: contextvars.ContextVar[str] = contextvars.ContextVar("embedmesh_authorization", default="")
+
+
+def needs_key(path: str, metrics_require_key: bool) -> bool:
+    """Whether ``path`` is behind the API key (when keys are configured)."""
+    return path.startswith("/v1/") or path == "/v1" or (metrics_require_key and path == "/metrics")
+
+
+def authenticate_request(request: Request, metrics_require_key: bool = False) -> auth.Principal | None:
+    """Check the request's key (401 ``invalid_api_key`` when missing or wrong) and remember the header so the
+    gRPC calls made for this request forward it. None when no key is needed."""
+    header = request.headers.get("authorization", "")
+    # Set for this request's task only (each ASGI request runs in its own context); never reset, so a streaming
+    # body that starts its gRPC call after the handler returned still forwards it.
+    _authorization.set(header)
+    ring = auth.keyring()
+    if not ring.enabled or not needs_key(request.url.path, metrics_require_key):
+        return None
+    token = auth.bearer_token(header)
+    key = ring.lookup(token)
+    if key is None:
+        message = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'." if not token else
+                   "Incorrect API key provided.")
+        raise ApiError(401, message, code="invalid_api_key", type_="invalid_request_error")
+    return auth.Principal(key.tenant, admin=key.admin, key=key)
+
+
+class _ForwardAuthorization(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                            grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds the current request's ``Authorization`` header to each call as ``authorization`` metadata."""
+
+    def _details(self, details: Any) -> Any:
+        header = _authorization.get()
+        if not header:
+            return details
+        md = [m for m in (details.metadata or []) if (m[0] if isinstance(m, tuple) else m.key) != "authorization"]
+        md.append(("authorization", header))
+        return details._replace(metadata=md)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+def forwarding_channel(address: str) -> grpc.aio.Channel:
+    """A channel to a mesh service that carries the client's key (TLS when configured, never the mesh token)."""
+    return mesh_channel(address, mesh_token=False, interceptors=[_ForwardAuthorization()])
