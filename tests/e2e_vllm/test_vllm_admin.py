@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.e2e
 def lmesh() -> Iterator[Mesh]:
     if not (VENV / ".complete").exists():
         pytest.skip(f"the vLLM venv is absent ({VENV}); build it with `make vllm-venv`")
-    m = start_mesh(engine="vllm", timeout=400, env={"EMBEDMESH_VLLM_ENABLE_LORA": "1"},
+    # Adapters load only from under the LoRA root: the tests' adapters live in pytest's temporary folders.
+    m = start_mesh(engine="vllm", timeout=400, env={"EMBEDMESH_VLLM_ENABLE_LORA": "1",
+                                                    "EMBEDMESH_LORA_ROOT": tempfile.gettempdir()},
                    extra_args=["--embed-worker-port", "0", "--vector-store-port", "0"])
     yield m
     m.stop()
@@ -85,9 +88,13 @@ def test_lora_load_once_generate_list_unload(lmesh: Mesh, adapter: Path) -> None
 
 def test_bad_lora_requests(lmesh: Mesh, tmp_path: Path) -> None:
     s = stub(lmesh)
+    (tmp_path / "escape").symlink_to("/etc")
     for req, field in ((worker_pb2.LoadLoraAdapterRequest(path="/x"), "name"),
                        (worker_pb2.LoadLoraAdapterRequest(name="x"), "path"),
-                       (worker_pb2.LoadLoraAdapterRequest(name="x", path=str(tmp_path)), "path")):
+                       (worker_pb2.LoadLoraAdapterRequest(name="x", path=str(tmp_path)), "path"),
+                       (worker_pb2.LoadLoraAdapterRequest(name="x", path="/etc"), "path"),
+                       (worker_pb2.LoadLoraAdapterRequest(name="x", path=f"{tmp_path}/../../../etc"), "path"),
+                       (worker_pb2.LoadLoraAdapterRequest(name="x", path=str(tmp_path / "escape")), "path")):
         with pytest.raises(grpc.RpcError) as info:
             s.LoadLoraAdapter(req, timeout=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and from_rpc_error(info.value).field == field

@@ -12,6 +12,7 @@ import grpc
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
+from embedmesh.core.auth import current_principal, limiter
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
@@ -209,6 +210,8 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
 
 
 def _usage(u: Usage) -> common_pb2.Usage:
+    # Every completed request's tokens count against its tenant's tokens-per-minute limit (when it has one).
+    limiter().charge_tokens(current_principal(), u.prompt_tokens + u.completion_tokens)
     return common_pb2.Usage(
         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
         total_tokens=u.prompt_tokens + u.completion_tokens,

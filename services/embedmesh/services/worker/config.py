@@ -48,6 +48,8 @@ class WorkerConfig:
     """vllm worker: GPUs per worker (GPU only)."""
     enable_lora: bool = False
     """vllm worker: allow LoRA adapters (LoadLoraAdapter)."""
+    lora_root: str = ""
+    """Folder LoRA adapters load from (resolved; nothing outside it); empty = $EMBEDMESH_CACHE/lora-adapters."""
     vllm_block_size: int = 0
     """vllm worker: vLLM's KV block size in positions (0 = vLLM's default: 16 on GPUs, 128 on CPUs)."""
     kv_cache_memory_bytes: int = 0
@@ -109,6 +111,8 @@ class WorkerConfig:
                        default=float(env.get("EMBEDMESH_VLLM_GPU_MEMORY_UTILIZATION", 0.9)))
         p.add_argument("--tensor-parallel-size", type=int, default=int(env.get("EMBEDMESH_VLLM_TP", 1)))
         p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1")
+        p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
+                       help="adapters load only from folders under this one")
         p.add_argument("--vllm-block-size", type=int, default=int(env.get("EMBEDMESH_VLLM_BLOCK_SIZE", 0)))
         p.add_argument("--kv-cache-memory-bytes", type=int,
                        default=int(env.get("EMBEDMESH_VLLM_KV_CACHE_MEMORY_BYTES", 0)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from embedmesh.core.logs import get_logger, setup_logging
@@ -73,7 +74,9 @@ async def serve(config: WorkerConfig) -> None:
     worker_id = f"{config.engine}-{uuid.uuid4().hex[:8]}"
     engine = build_engine(config)
     server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
-    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id), SERVICE_NAME)
+    lora_root = Path(config.lora_root) if config.lora_root else None
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id, lora_root),
+               SERVICE_NAME)
     server.on_drain(engine.shutdown)
     register_engine_metrics(engine, worker_id)
     vllm = _as_vllm(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,6 +13,7 @@ from embedmesh.core.errors import FailedPrecondition, InvalidArgument
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine
+from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerServicer"]
@@ -20,9 +22,11 @@ log = get_logger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, worker_id: str) -> None:
+    def __init__(self, engine: Engine, worker_id: str, lora_root: Path | None = None) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.lora_root = lora_root or default_lora_root()
+        """LoRA adapters load only from folders under this one."""
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -75,7 +79,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if not request.name or not request.path:
             field = "name" if not request.name else "path"
             raise InvalidArgument(f"{field} is required", field=field, reason="REQUIRED")
-        loaded = await self._admin("LoRA", self.engine.load_lora(request.name, request.path))
+        path = resolve_adapter_path(request.path, self.lora_root)
+        loaded = await self._admin("LoRA", self.engine.load_lora(request.name, str(path)))
         return worker_pb2.LoadLoraAdapterResponse(loaded=loaded)
 
     async def UnloadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
