@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean fuzz
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -68,6 +68,12 @@ test-unit: venv model
 
 test-e2e: venv model sysdeps
 	$(PY) -m pytest tests/e2e
+
+# The fuzz tests of `make test` (tensor codec, gateway request parsing) with many more examples; zero 5xx.
+FUZZ_EXAMPLES ?= 10000
+fuzz: venv model
+	EMBEDMESH_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/core/test_tensor_codec_fuzz.py \
+		tests/unit/gateway/test_fuzz_requests.py
 
 # The client process gets the same glibc tuning the launcher gives the services.
 bench: venv model sysdeps

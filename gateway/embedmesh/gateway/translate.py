@@ -83,7 +83,12 @@ _UINT32_MAX = 2**32 - 1
 
 
 def _is_num(v: Any) -> bool:
-    return (isinstance(v, int | float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past float's range (orjson never makes one; a caller with Python ints can)
+        return False
 
 
 def decode_base64(value: Any, param: str) -> bytes:

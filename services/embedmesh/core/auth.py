@@ -331,7 +331,7 @@ def authenticate(access: Access, *, authorization: str, mesh_cert: bool, mesh_to
     if access is Access.OPEN:
         return _ANONYMOUS
     if access is Access.PUBLIC:
-        if authorization:
+        if authorization and ring.enabled:
             # A credential that is presented must be valid, whoever forwards it (a mesh peer included).
             if key is None:
                 raise Unauthenticated("incorrect API key provided", reason="INVALID_API_KEY")

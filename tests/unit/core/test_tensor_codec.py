@@ -322,6 +322,35 @@ BAD: list[tuple[str, Any, str]] = [
         {"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "UNSUPPORTED_DTYPE"),
     ("safetensors huge shape", lambda: _safetensors_raw(
         {"x": {"dtype": "F32", "shape": [10**9, 10**9], "data_offsets": [0, 8]}}, b"\0" * 8), "TOO_LARGE"),
+    # The hostile-input classes of issue 15: each used to escape as a numpy ValueError/OverflowError (a 500).
+    ("71 dimensions (torch.save)", lambda: saved(torch.zeros([1] * 71)), "BAD_RANK"),
+    ("9 dimensions (forged)", lambda: forged_tensor((1,) * 9, (1,) * 9), "BAD_RANK"),
+    ("shape product past 2**64", lambda: forged_tensor((2**32, 2**32, 2), (2**33, 2, 1), numel=4, data=b"\0" * 16),
+     "INVALID_SHAPE"),
+    ("dimensions within 2**31, product past 2**64", lambda: forged_tensor((2**31,) * 3, (2**62, 2**31, 1), numel=4,
+                                                                          data=b"\0" * 16), "TOO_LARGE"),
+    ("0 mixed with 2**64", lambda: forged_tensor((0, 2**64), (2**64, 1), numel=0, data=b""), "INVALID_SHAPE"),
+    ("0 mixed with 2**64, 71 dims", lambda: forged_tensor((0,) + (2**64,) * 70, (1,) * 71, numel=0, data=b""),
+     "BAD_RANK"),
+    ("stride past int64 on a size-1 dim", lambda: forged_tensor((1, 4), (2**70, 1), numel=4), "BAD_STRIDES"),
+    ("stride past int64 on an empty tensor", lambda: forged_tensor((0, 4), (2**64, 1), numel=0, data=b""),
+     "BAD_STRIDES"),
+    ("hand-edited huge stride", lambda: forged_tensor((2, 4), (2**40, 1), numel=8), "BAD_STRIDES"),
+    ("stride reaching past a full storage", lambda: forged_tensor((4, 4), (5, 1), numel=16), "BAD_STRIDES"),
+    ("offset past the storage of an empty tensor", lambda: forged_tensor((0, 4), (4, 1), offset=2**70, numel=0,
+                                                                         data=b""), "NOT_A_TENSOR"),
+    ("safetensors 71 dimensions", lambda: _safetensors_raw(
+        {"x": {"dtype": "F32", "shape": [1] * 71, "data_offsets": [0, 4]}}, b"\0" * 4), "BAD_RANK"),
+    ("safetensors 0 mixed with 2**64", lambda: _safetensors_raw(
+        {"x": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}}, b""), "INVALID_SHAPE"),
+    ("safetensors product past 2**64", lambda: _safetensors_raw(
+        {"x": {"dtype": "F32", "shape": [2**31, 2**31, 2**31], "data_offsets": [0, 8]}}, b"\0" * 8), "TOO_LARGE"),
+    ("safetensors negative dimension", lambda: _safetensors_raw(
+        {"x": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 0]}}, b""), "NOT_A_TENSOR"),
+    ("safetensors dtype is a list", lambda: _safetensors_raw(
+        {"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "UNSUPPORTED_DTYPE"),
+    ("safetensors offsets past 2**64", lambda: _safetensors_raw(
+        {"x": {"dtype": "F32", "shape": [1], "data_offsets": [2**64, 2**64 + 4]}}, b"\0" * 4), "NOT_A_TENSOR"),
 ]
 
 
@@ -390,6 +419,28 @@ def test_explicit_decoders_refuse_the_other_format() -> None:
     with pytest.raises(InvalidArgument) as info:
         decode_safetensors(saved(torch.zeros(2)), max_bytes=CAP, field="f")
     assert info.value.reason == "NOT_A_TENSOR"
+
+
+def test_refusals_name_the_rule_and_print_no_huge_numbers() -> None:
+    # str() of a 5000-digit int raises ValueError (Python's int_max_str_digits): the message must not call it.
+    with pytest.raises(InvalidArgument) as info:
+        decode(forged_tensor((0, 10**5000), (1, 1), numel=0, data=b""))
+    assert "[0, 2**31]" in info.value.message and "[0, ~2**16609]" in info.value.message
+    with pytest.raises(InvalidArgument) as info:
+        decode(forged_tensor((2, 4), (2**40, 1), numel=8))
+    assert "strides [1099511627776, 1]" in info.value.message and "past the storage's 8" in info.value.message
+
+
+@pytest.mark.parametrize(("size", "stride", "numel"), [
+    ((1, 4), (2**62, 1), 4),  # a size-1 dimension's stride addresses nothing
+    ((4, 1), (1, 2**63 - 1), 4),
+    ((0, 2**31), (2**31, 1), 0),  # empty, with the largest allowed dimension
+    ((1,) * 8, (1,) * 8, 1),  # exactly MAX_RANK dimensions
+], ids=["size-1 huge stride", "int64-max stride", "empty 2**31", "8 dims"])
+def test_edge_layouts_decode(size: tuple[int, ...], stride: tuple[int, ...], numel: int) -> None:
+    arr, dtype = decode(forged_tensor(size, stride, numel=numel, data=np.arange(numel, dtype="<f4").tobytes()))
+    assert dtype == T.DATA_TYPE_FP32 and arr.shape == size and arr.flags.c_contiguous
+    assert np.array_equal(arr.ravel(), np.arange(arr.size, dtype=np.float32))
 
 
 # --- property: any strided view round-trips ----------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Run a completion: fan each (prompt, choice) out to a worker, merge the workers' streams into one stream of
 deltas tagged by choice index, and account usage. Cancelling the consumer cancels every worker call.
 
-Choice i of prompt p has index ``p * n + i``; with a seed, choice i samples with ``seed + i`` so choices differ
-while the same request repeated gives the same text.
+Choice i of prompt p has index ``p * n + i``; with a seed, choice i samples with ``seed + i`` (wrapped into int64,
+``sampling.choice_seed``) so choices differ while the same request repeated gives the same text.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from embedmesh.core import tensors
 from embedmesh.core.block_hash import block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
-from embedmesh.core.sampling import SamplingParams
+from embedmesh.core.sampling import SamplingParams, choice_seed
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
 from embedmesh.services.router.route_client import RouteClient
@@ -96,7 +96,7 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
             index = p_index * job.n + i
             sampling = job.sampling
             if sampling.seed is not None and i:
-                sampling = replace(sampling, seed=sampling.seed + i)
+                sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
             req = worker_pb2.GenerateRequest(
                 request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
                 segments=segment,

@@ -6,7 +6,10 @@ Semantics (the same in every backend; tests check Python against SQL against a b
 - A comparison on a missing attribute is false, whatever the operator (as SQL NULL would be).
 - ``eq`` / ``in``: same type and value (``true`` never equals ``1``). ``ne`` / ``nin``: present and not equal.
 - ``gt gte lt lte``: both sides numbers, or both strings (compared by code point); any other pairing is false.
-- ``and`` / ``or`` over one or more sub-filters, nested up to ``MAX_DEPTH`` levels.
+- ``and`` / ``or`` over one or more sub-filters, nested up to ``MAX_DEPTH`` levels (TOO_DEEP) with at most
+  ``MAX_NODES`` filters in all (TOO_MANY_CLAUSES). Both are checked by walks with an explicit stack, so no nesting
+  depth can exhaust Python's recursion limit; ``check_json_limits`` applies them to the raw JSON, before the gateway
+  builds a nested protobuf message (protobuf itself refuses nesting past 100 levels).
 Validation names the offending field with its path (``filters.filters[1].value``) so the gateway can fill ``param``.
 """
 
@@ -21,7 +24,7 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.vector_store.models import Attributes, AttributeValue
 
 __all__ = ["Comparison", "Compound", "Filter", "validate", "evaluate", "to_sql", "COMPARISON_OPS", "COMPOUND_OPS",
-           "MAX_DEPTH", "MAX_NODES", "check_attributes"]
+           "MAX_DEPTH", "MAX_NODES", "check_attributes", "check_json_limits"]
 
 COMPARISON_OPS = ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin")
 COMPOUND_OPS = ("and", "or")
@@ -63,52 +66,76 @@ def _bad(field: str, message: str, reason: str = "INVALID_FILTER") -> InvalidArg
     return InvalidArgument(f"{field}: {message}", field=field, reason=reason)
 
 
+def _check_size(nodes: int, depth: int, field: str, path: str) -> None:
+    if nodes > MAX_NODES:
+        raise _bad(field, f"more than {MAX_NODES} filters in all (comparisons and compounds)", "TOO_MANY_CLAUSES")
+    if depth > MAX_DEPTH:
+        raise _bad(path, f"filters nest at most {MAX_DEPTH} levels deep", "TOO_DEEP")
+
+
+def check_json_limits(value: Any, field: str = "filters") -> None:
+    """Depth and size limits on a filter still in its JSON form (``{"type": "and", "filters": [...]}``), walked
+    with an explicit stack: the gateway calls it before recursing over the JSON or nesting protobuf messages.
+    Everything else about the filter is checked later, by ``validate`` in the service."""
+    stack: list[tuple[Any, str, int]] = [(value, field, 1)]
+    nodes = 0
+    while stack:
+        node, path, depth = stack.pop()
+        nodes += 1
+        _check_size(nodes, depth, field, path)
+        subs = node.get("filters") if isinstance(node, dict) and node.get("type") in COMPOUND_OPS else None
+        if isinstance(subs, list):
+            _check_size(nodes + len(subs), depth, field, path)  # before a million siblings go on the stack
+            # reversed: pop in document order, so the first offending path reported is the first one written
+            stack.extend((s, f"{path}.filters[{i}]", depth + 1) for i, s in reversed(list(enumerate(subs))))
+
+
 def validate(f: Filter, field: str = "filters") -> Filter:
     """Raise InvalidArgument naming the first bad field; return ``f`` unchanged when it is valid."""
-    nodes = [0]
-
-    def walk(node: Filter, path: str, depth: int) -> None:
-        nodes[0] += 1
-        if nodes[0] > MAX_NODES:
-            raise _bad(field, f"more than {MAX_NODES} filter nodes")
-        if depth > MAX_DEPTH:
-            raise _bad(path, f"filters nest at most {MAX_DEPTH} levels deep")
+    stack: list[tuple[Filter, str, int]] = [(f, field, 1)]
+    nodes = 0
+    while stack:  # pre-order, document order; an explicit stack so depth cannot blow Python's recursion limit
+        node, path, depth = stack.pop()
+        nodes += 1
+        _check_size(nodes, depth, field, path)
         if isinstance(node, Compound):
             if node.op not in COMPOUND_OPS:
                 raise _bad(f"{path}.type", f"compound type must be one of {', '.join(COMPOUND_OPS)}, "
                                            f"got {node.op!r}")
             if not node.filters:
                 raise _bad(f"{path}.filters", "a compound filter needs at least one sub-filter")
-            for i, sub in enumerate(node.filters):
-                walk(sub, f"{path}.filters[{i}]", depth + 1)
-            return
-        if not isinstance(node.key, str) or not node.key:
-            raise _bad(f"{path}.key", "must be a non-empty attribute name")
-        if node.op not in COMPARISON_OPS:
-            raise _bad(f"{path}.type", f"comparison type must be one of {', '.join(COMPARISON_OPS)}, got {node.op!r}")
-        v = node.value
-        if node.op in ("in", "nin"):
-            if not isinstance(v, tuple | list):
-                raise _bad(f"{path}.value", f"'{node.op}' needs a list of strings or numbers, got {_kind(v)}")
-            if not v or len(v) > MAX_LIST:
-                raise _bad(f"{path}.value", f"'{node.op}' needs 1 to {MAX_LIST} values, got {len(v)}")
-            for j, item in enumerate(v):
-                if _kind(item) not in ("string", "number"):
-                    raise _bad(f"{path}.value[{j}]", f"must be a string or a number, got {_kind(item)}")
-                _check_number(item, f"{path}.value[{j}]")
-            return
-        if v is None or isinstance(v, tuple | list):
-            raise _bad(f"{path}.value", f"'{node.op}' needs a string, number or boolean, got "
-                                        f"{'a list' if v is not None else 'nothing'}")
-        kind = _kind(v)
-        if kind not in ("string", "number", "boolean"):
-            raise _bad(f"{path}.value", f"must be a string, number or boolean, got {kind}")
-        if node.op in ("gt", "gte", "lt", "lte") and kind == "boolean":
-            raise _bad(f"{path}.value", f"'{node.op}' compares numbers or strings, not booleans")
-        _check_number(v, f"{path}.value")
-
-    walk(f, field, 1)
+            _check_size(nodes + len(node.filters), depth, field, path)
+            stack.extend((sub, f"{path}.filters[{i}]", depth + 1) for i, sub in reversed(list(enumerate(node.filters))))
+            continue
+        _check_comparison(node, path)
     return f
+
+
+def _check_comparison(node: Comparison, path: str) -> None:
+    if not isinstance(node.key, str) or not node.key:
+        raise _bad(f"{path}.key", "must be a non-empty attribute name")
+    if node.op not in COMPARISON_OPS:
+        raise _bad(f"{path}.type", f"comparison type must be one of {', '.join(COMPARISON_OPS)}, got {node.op!r}")
+    v = node.value
+    if node.op in ("in", "nin"):
+        if not isinstance(v, tuple | list):
+            raise _bad(f"{path}.value", f"'{node.op}' needs a list of strings or numbers, got {_kind(v)}")
+        if not v or len(v) > MAX_LIST:
+            raise _bad(f"{path}.value", f"'{node.op}' needs 1 to {MAX_LIST} values, got {len(v)}")
+        for j, item in enumerate(v):
+            if _kind(item) not in ("string", "number"):
+                raise _bad(f"{path}.value[{j}]", f"must be a string or a number, got {_kind(item)}")
+            _check_number(item, f"{path}.value[{j}]")
+        return
+    if v is None or isinstance(v, tuple | list):
+        raise _bad(f"{path}.value", f"'{node.op}' needs a string, number or boolean, got "
+                                    f"{'a list' if v is not None else 'nothing'}")
+    kind = _kind(v)
+    if kind not in ("string", "number", "boolean"):
+        raise _bad(f"{path}.value", f"must be a string, number or boolean, got {kind}")
+    if node.op in ("gt", "gte", "lt", "lte") and kind == "boolean":
+        raise _bad(f"{path}.value", f"'{node.op}' compares numbers or strings, not booleans")
+    _check_number(v, f"{path}.value")
 
 
 def _check_number(v: Any, path: str) -> None:

@@ -11,7 +11,17 @@ from typing import Any
 import pytest
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.vector_store.filters import Comparison, Compound, Filter, evaluate, to_sql, validate
+from embedmesh.services.vector_store.filters import (
+    MAX_DEPTH,
+    MAX_NODES,
+    Comparison,
+    Compound,
+    Filter,
+    check_json_limits,
+    evaluate,
+    to_sql,
+    validate,
+)
 
 C, K = Comparison, Compound
 
@@ -42,6 +52,51 @@ def test_validation_table(flt: Filter, field: str) -> None:
         validate(flt)
     assert e.value.field == field
     assert field in e.value.message
+
+
+def test_depth_and_size_limits_have_their_own_reasons() -> None:
+    with pytest.raises(InvalidArgument) as e:
+        validate(nest(149, C("a", "eq", 1)))  # 150 levels, as a hostile client sent
+    assert e.value.reason == "TOO_DEEP" and e.value.field == "filters" + ".filters[0]" * MAX_DEPTH
+    assert f"at most {MAX_DEPTH} levels" in e.value.message
+    validate(nest(MAX_DEPTH - 1, C("a", "eq", 1)))  # exactly MAX_DEPTH levels passes
+    wide = K("or", tuple(C("a", "eq", i) for i in range(MAX_NODES)))  # MAX_NODES + 1 filters with the compound
+    with pytest.raises(InvalidArgument) as e:
+        validate(wide)
+    assert e.value.reason == "TOO_MANY_CLAUSES" and e.value.field == "filters"
+    validate(K("or", tuple(C("a", "eq", i) for i in range(MAX_NODES - 1))))
+
+
+def test_validation_reports_the_first_bad_filter_in_document_order() -> None:
+    flt = K("and", (K("or", (C("a", "eq", 1), C("", "eq", 1))), C("b", "like", 1)))
+    with pytest.raises(InvalidArgument) as e:
+        validate(flt)
+    assert e.value.field == "filters.filters[0].filters[1].key"
+
+
+def _json_nest(levels: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "eq", "key": "a", "value": 1}
+    for _ in range(levels):
+        node = {"type": "and", "filters": [node]}
+    return node
+
+
+@pytest.mark.parametrize("levels", [150, 5000, 200_000])
+def test_json_limits_refuse_deep_nesting_without_recursion(levels: int) -> None:
+    # 200 000 levels would overflow any recursive walk (Python's limit is about 1000 frames).
+    with pytest.raises(InvalidArgument) as e:
+        check_json_limits(_json_nest(levels))
+    assert e.value.reason == "TOO_DEEP"
+    assert e.value.field == "filters" + ".filters[0]" * MAX_DEPTH
+
+
+def test_json_limits_accept_what_validate_accepts_and_refuse_wide_filters() -> None:
+    check_json_limits(_json_nest(MAX_DEPTH - 1))
+    check_json_limits({"type": "eq", "key": "a", "value": [1] * 5000})  # values are not filters
+    check_json_limits({"type": "xor", "filters": "not even a list"})  # shape errors are the translation's
+    with pytest.raises(InvalidArgument) as e:
+        check_json_limits({"type": "or", "filters": [{"type": "eq", "key": "a", "value": 1}] * 1_000_000})
+    assert e.value.reason == "TOO_MANY_CLAUSES" and e.value.field == "filters"
 
 
 @pytest.mark.parametrize("flt", [

@@ -1,0 +1,49 @@
+"""``tensors.to_numpy`` and ``check_shape``: hostile Tensor protos (absurd rank, dimensions past 2**31 or mixing 0
+with 2**63, negative dimensions) are InvalidArgument naming the field and the rule, never a numpy error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedmesh.core import tensors
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812
+
+F32 = T.DATA_TYPE_FP32
+
+
+@pytest.mark.parametrize(("shape", "data", "field", "reason"), [
+    ([1] * 71, b"\0" * 4, "t.shape", "BAD_RANK"),
+    ([1] * 9, b"\0" * 4, "t.shape", "BAD_RANK"),
+    ([0, 2**63 - 1], b"", "t.shape", "INVALID_SHAPE"),
+    ([2**32, 2**32], b"", "t.shape", "INVALID_SHAPE"),
+    ([2**31, 2**31, 2**31], b"", "t.data", "DATA_SIZE_MISMATCH"),  # product past 2**64: exact, then compared
+    ([-1, 4], b"", "t.shape", "INVALID_SHAPE"),
+    ([-(2**63)], b"", "t.shape", "INVALID_SHAPE"),
+    ([2, 3], b"\0" * 20, "t.data", "DATA_SIZE_MISMATCH"),
+], ids=["71 dims", "9 dims", "0 and int64 max", "2**32 dims", "product past 2**64", "negative", "int64 min",
+        "short data"])
+def test_hostile_protos_are_refused(shape: list[int], data: bytes, field: str, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        tensors.to_numpy(T.Tensor(dtype=F32, shape=shape, data=data), field="t")
+    assert info.value.field == field and info.value.reason == reason
+    assert info.value.message.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("shape", [[0, 2**31], [1] * 8, [], [3, 2]], ids=["empty 2**31", "8 dims", "scalar", "2-D"])
+def test_edge_shapes_convert(shape: list[int]) -> None:
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    arr, dtype = tensors.to_numpy(T.Tensor(dtype=F32, shape=shape, data=np.arange(count, dtype="<f4").tobytes()))
+    assert dtype == F32 and arr.shape == tuple(shape)
+    assert np.array_equal(arr.ravel(), np.arange(count, dtype=np.float32))
+
+
+def test_check_shape_counts_exactly_and_messages_stay_short() -> None:
+    assert tensors.check_shape([2**31] * 8, "x") == 2**248
+    with pytest.raises(InvalidArgument) as info:
+        tensors.check_shape([0, 10**5000], "x")
+    assert "~2**16609" in info.value.message and len(info.value.message) < 200
+    with pytest.raises(InvalidArgument) as info:
+        tensors.check_shape([1] * 10_000, "x")
+    assert "10000 dimensions" in info.value.message and len(info.value.message) < 200
