@@ -41,7 +41,8 @@ from pathlib import Path
 from embedmesh.core.errors import PermissionDenied, ResourceExhausted, Unauthenticated
 
 __all__ = ["Access", "ApiKey", "KeyRing", "Principal", "TenantLimiter", "current_principal", "current_tenant",
-           "principal_scope", "add_key_args", "keyring_from_values", "configure_keys", "keyring", "limiter",
+           "principal_scope", "set_principal", "add_key_args", "keyring_from_values", "configure_keys", "keyring",
+           "limiter",
            "DEFAULT_TENANT", "MESH_TENANT", "TENANT_HEADER", "authenticate", "bearer_token"]
 
 DEFAULT_TENANT = "default"
@@ -101,6 +102,13 @@ def current_principal() -> Principal:
 
 def current_tenant() -> str:
     return _principal.get().tenant
+
+
+def set_principal(p: Principal) -> None:
+    """Serve the rest of the current task as ``p`` (each gRPC call runs in its own task and context, so nothing
+    leaks to other calls; unlike ``principal_scope`` this survives a streaming handler being closed from another
+    context)."""
+    _principal.set(p)
 
 
 @contextmanager

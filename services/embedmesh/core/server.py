@@ -20,7 +20,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -67,8 +67,9 @@ class ServerOptions:
     """TCP port; 0 picks a free one (the bound port is on ``Server.port``)."""
     max_message_bytes: int = 512 * MiB
     """Largest gRPC message sent or received (gRPC's own default is 4 MiB)."""
-    grace_seconds: float = float(os.environ.get("EMBEDMESH_DRAIN_GRACE_SECONDS", "5"))
-    """How long in-flight calls may finish after a drain starts (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
+    grace_seconds: float = field(default_factory=lambda: float(os.environ.get("EMBEDMESH_DRAIN_GRACE_SECONDS", "30")))
+    """How long in-flight calls may finish after a drain starts (EMBEDMESH_DRAIN_GRACE_SECONDS, read when the
+    options are made; default 30 s)."""
     metrics_port: int = 0
     """Port of the Prometheus /metrics endpoint; 0 = none."""
     public: bool = False
@@ -261,8 +262,8 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
                     raise _bad_message(method, request)
                 if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
                     owed = principal
-                with auth.principal_scope(principal):
-                    return await fn(request, context)
+                auth.set_principal(principal)
+                return await fn(request, context)
             except EmbedmeshError as e:
                 obs.fail(e.code.name)
                 await _abort(context, e)
@@ -294,9 +295,9 @@ def _wrap_stream(
                     raise _bad_message(method, request)
                 if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
                     owed = principal
-                with auth.principal_scope(principal):
-                    async for item in fn(request, context):
-                        yield item
+                auth.set_principal(principal)
+                async for item in fn(request, context):
+                    yield item
             except EmbedmeshError as e:
                 obs.fail(e.code.name)
                 await _abort(context, e)

@@ -13,7 +13,7 @@ from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.encoder_cache.service import SERVICE_NAME, EncoderCacheServicer
-from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
+from embedmesh.services.encoder_cache.tiered import DEFAULT_MAX_TTL_SECONDS, CacheConfig, TieredCache
 
 log = get_logger("embedmesh.encoder_cache")
 
@@ -27,12 +27,16 @@ def parse(argv: list[str] | None = None) -> tuple[ServerOptions, CacheConfig, in
     p.add_argument("--redis-url", default=env.get("REDIS_URL", ""))
     p.add_argument("--capacity-bytes", type=int, default=int(env.get("EMBEDMESH_CACHE_CAPACITY_BYTES", 1 << 30)))
     p.add_argument("--default-ttl", type=int, default=int(env.get("EMBEDMESH_CACHE_TTL_SECONDS", 3600)))
+    p.add_argument("--max-ttl", type=int,
+                   default=int(env.get("EMBEDMESH_CACHE_MAX_TTL_SECONDS", DEFAULT_MAX_TTL_SECONDS)),
+                   help="longest ttl_seconds a client may ask for (longer: INVALID_ARGUMENT)")
     p.add_argument("--max-tensor-bytes", type=int, default=int(env.get("EMBEDMESH_MAX_EMBEDS_BYTES", 256 << 20)))
     a = p.parse_args(argv)
-    if a.capacity_bytes < 0 or a.default_ttl < 1 or a.max_tensor_bytes < 1024:
-        p.error("capacity must be >= 0, ttl >= 1 and max tensor bytes >= 1024")
+    if a.capacity_bytes < 0 or not 1 <= a.default_ttl <= a.max_ttl or a.max_tensor_bytes < 1024:
+        p.error("capacity must be >= 0, 1 <= default ttl <= max ttl and max tensor bytes >= 1024")
     return (ServerOptions(host=a.host, port=a.port, metrics_port=a.metrics_port),
-            CacheConfig(capacity_bytes=a.capacity_bytes, redis_url=a.redis_url, default_ttl_seconds=a.default_ttl),
+            CacheConfig(capacity_bytes=a.capacity_bytes, redis_url=a.redis_url, default_ttl_seconds=a.default_ttl,
+                        max_ttl_seconds=a.max_ttl),
             a.max_tensor_bytes)
 
 

@@ -2,22 +2,43 @@
 
 A get looks in L1, then L2 (a hit there is copied into L1); a put writes both. ``get_or_compute`` makes concurrent
 requests for one missing key run the computation once: the others await the same future.
+
+L2 is an optimisation, never a dependency: whatever Redis does (gone, hung, full at ``maxmemory``), a get is at worst
+a miss and a put at worst an L1-only store; no request fails because of it (see ``redis_tier``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import Counter
 
+from embedmesh.core.logs import get_logger
 from embedmesh.services.encoder_cache.lru import ByteLRU
 from embedmesh.services.encoder_cache.redis_tier import RedisTier
 
-__all__ = ["CachedTensor", "TieredCache", "CacheConfig"]
+__all__ = ["CachedTensor", "TieredCache", "CacheConfig", "DEFAULT_MAX_TTL_SECONDS"]
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_TTL_SECONDS = 30 * 24 * 3600
+"""Longest TTL a client may ask for unless ``EMBEDMESH_CACHE_MAX_TTL_SECONDS`` says otherwise."""
+
+
+def _env_max_ttl() -> int:
+    raw = os.environ.get("EMBEDMESH_CACHE_MAX_TTL_SECONDS", "")
+    try:
+        value = int(raw) if raw else DEFAULT_MAX_TTL_SECONDS
+    except ValueError:
+        raise ValueError(f"EMBEDMESH_CACHE_MAX_TTL_SECONDS: expected a whole number of seconds, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"EMBEDMESH_CACHE_MAX_TTL_SECONDS: must be >= 1, got {value}")
+    return value
 
 LOOKUPS = Counter("embedmesh_encoder_cache_lookups_total", "Cache lookups by tier and result", ["tier", "result"])
 L2_DOWN = Counter("embedmesh_encoder_cache_l2_unavailable_total", "L2 operations skipped because Redis was away")
@@ -41,8 +62,8 @@ class CacheConfig:
     """L2 Redis URL; empty = L1 only (the embedded default)."""
     default_ttl_seconds: int = 3600
     """TTL of entries without their own."""
-    max_ttl_seconds: int = 7 * 24 * 3600
-    """Longest TTL a client may ask for."""
+    max_ttl_seconds: int = field(default_factory=_env_max_ttl)
+    """Longest TTL a client may ask for (a longer one is refused, naming ``ttl_seconds``)."""
 
 
 class TieredCache:
@@ -71,7 +92,11 @@ class TieredCache:
         if self.l2 is None:
             return None
         before = self.l2.counters.unavailable
-        got = await self.l2.get(key)
+        try:
+            got = await self.l2.get(key)
+        except Exception:  # noqa: BLE001 - L2 must never fail a request; RedisTier already catches Redis errors
+            log.exception("L2 get failed; treated as a miss")
+            got = None
         if self.l2.counters.unavailable > before:
             L2_DOWN.inc()
         if got is None:
@@ -88,7 +113,10 @@ class TieredCache:
         stored = self.l1.put(key, value, value.nbytes, ttl)
         if self.l2 is not None:
             before = self.l2.counters.unavailable
-            stored = await self.l2.put(key, value.array, value.dtype, ttl) or stored
+            try:
+                stored = await self.l2.put(key, value.array, value.dtype, ttl) or stored
+            except Exception:  # noqa: BLE001 - see get
+                log.exception("L2 put failed; stored in L1 only")
             if self.l2.counters.unavailable > before:
                 L2_DOWN.inc()
         return stored
@@ -96,12 +124,21 @@ class TieredCache:
     async def contains(self, key: str) -> bool:
         if key in self.l1:
             return True
-        return bool(self.l2 and await self.l2.contains(key))
+        if self.l2 is None:
+            return False
+        try:
+            return await self.l2.contains(key)
+        except Exception:  # noqa: BLE001 - see get
+            log.exception("L2 contains failed; treated as absent")
+            return False
 
     async def delete(self, key: str) -> bool:
         found = self.l1.delete(key)
         if self.l2 is not None:
-            found = await self.l2.delete(key) or found
+            try:
+                found = await self.l2.delete(key) or found
+            except Exception:  # noqa: BLE001 - see get
+                log.exception("L2 delete failed")
         return found
 
     async def get_or_compute(self, key: str, compute: Callable[[], Awaitable[CachedTensor]],

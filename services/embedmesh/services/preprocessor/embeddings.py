@@ -29,6 +29,7 @@ import numpy as np
 
 from embedmesh.core import tensors
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, from_rpc_error
+from embedmesh.services.encoder_cache.keys import validated_key
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.tensor.v1 import tensor_pb2
@@ -99,13 +100,14 @@ def validate_inputs(inputs: Sequence[Input], dimensions: int | None, spec: Embed
 
 
 def cache_key(model: str, dimensions: int | None, item: Input) -> str:
-    """Content address of one input's vector; text and token ids never collide (a kind byte is hashed first)."""
+    """Content address of one input's vector; text and token ids never collide (a kind byte is hashed first). In
+    the validated key space (``v1:embed:…``): only the server writes these entries, never a cache RPC."""
     h = blake3.blake3(f"embed\0{model}\0{dimensions or 0}\0".encode())
     if isinstance(item, str):
         h.update(b"T" + item.encode())
     else:
         h.update(b"I" + np.asarray(item, "<i8").tobytes())
-    return "embed:" + h.hexdigest(16)
+    return validated_key("embed", h.hexdigest())
 
 
 _Inflight = dict[str, "asyncio.Future[CachedTensor]"]

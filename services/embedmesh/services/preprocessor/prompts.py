@@ -33,9 +33,11 @@ class EmbedsResolver:
     """Turns a RawEmbeds into validated rows in the model dtype.
 
     Serialized payloads are decoded and validated once per distinct payload and model shape: the rows are cached
-    under a BLAKE3 hash of the bytes, so a repeated prompt skips unpickling and the NaN/Inf scan (and, with Redis
-    as L2, so do the other replicas). Errors are never cached.
-    Upload ids resolve through the same cache; unknown or expired ids are a NotFound naming the field.
+    under a key only the server computes (``v1:payload:<dtype>:<hidden>:`` + BLAKE3-256 of the bytes, a key space
+    no cache RPC can write), so a repeated prompt skips unpickling and the NaN/Inf scan (and, with Redis as L2, so
+    do the other replicas; L2 entries are integrity-checked on read). Errors are never cached.
+    Upload ids resolve in the calling tenant's namespace only and are validated again with this model's rules on
+    every use; unknown, expired or another tenant's ids are a NotFound naming the field.
     """
 
     def __init__(self, cache: TieredCache, spec: ModelSpec, max_bytes: int, max_tokens: int) -> None:

@@ -1,5 +1,6 @@
-"""TieredCache over a real redis-server: chunked round trips, TTL, corruption and truncation detected, Redis going
-away and coming back, single flight."""
+"""TieredCache over a real redis-server: chunked round trips, TTL, corruption and truncation detected, entries
+planted or moved by someone with write access to Redis refused (integrity digest keyed with the mesh token), Redis
+going away and coming back, Redis full at maxmemory, single flight."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import redis
 
 from embedmesh.core.tensors import f32_to_bf16
+from embedmesh.services.encoder_cache.keys import payload_key, tenant_key
+from embedmesh.services.encoder_cache.redis_tier import RedisTier
 from embedmesh.services.encoder_cache.tiered import CacheConfig, CachedTensor, TieredCache
 from embedmesh.tensor.v1 import tensor_pb2 as tpb
 from tests.support.redis_server import RedisServer
@@ -92,6 +95,7 @@ async def test_damaged_values_are_misses_never_served(server: RedisServer, cache
     assert await cache.get("d") is None
     assert cache.l2 is not None and cache.l2.counters.corrupted == 1
     assert not r.exists("embedmesh:cache:d:h"), "a damaged value is removed"
+    assert not r.keys("embedmesh:cache:d:c*"), "with its chunks"
 
 
 async def test_redis_restart_mid_run(server: RedisServer, cache: TieredCache, caplog: Any) -> None:
@@ -137,3 +141,122 @@ async def test_single_flight_error_reaches_every_waiter_and_is_not_cached(cache:
     results = await asyncio.gather(*[cache.get_or_compute("err", boom) for _ in range(5)], return_exceptions=True)
     assert all(isinstance(r, ValueError) for r in results)
     assert await cache.get("err") is None
+
+
+def _copy_entry(r: redis.Redis, src: str, dst: str) -> None:
+    for k in r.keys(f"embedmesh:cache:{src}:*"):
+        suffix = k.decode().rsplit(":", 1)[1]
+        r.set(f"embedmesh:cache:{dst}:{suffix}", r.get(k))
+
+
+@pytest.fixture
+async def keyed(server: RedisServer) -> AsyncIterator[TieredCache]:
+    """A cache whose L2 digests are keyed with a mesh token, as in a mesh run with EMBEDMESH_MESH_TOKEN."""
+    if server.proc is None:
+        server.start()
+    redis.Redis.from_url(server.url).flushall()
+    c = TieredCache(CacheConfig(capacity_bytes=64 << 20))
+    c.l2 = RedisTier(server.url, mesh_token="mesh-secret-for-tests")
+    yield c
+    await c.close()
+
+
+async def test_entry_moved_to_a_validated_key_is_refused(server: RedisServer, keyed: TieredCache) -> None:
+    """A client's upload copied (by someone with Redis write access) under a server-validated key is never served:
+    the key is part of the digest."""
+    upload = tenant_key("alice", "emb-" + "1" * 32)
+    target = payload_key("payload:1:576", b"the victim's payload")
+    poison = np.full((4, 576), 1e30, np.float32)
+    assert await keyed.put(upload, CachedTensor(poison, tpb.DATA_TYPE_FP32))
+    _copy_entry(redis.Redis.from_url(server.url), upload, target)
+    assert await keyed.get(target) is None
+    assert keyed.l2 is not None and keyed.l2.counters.corrupted == 1 and keyed.l2.counters.hits == 0
+    assert not redis.Redis.from_url(server.url).exists(f"embedmesh:cache:{target}:h"), "the planted entry is gone"
+    keyed.l1.delete(upload)
+    got = await keyed.get(upload)
+    assert got is not None and np.array_equal(got.array, poison), "the original stays valid where it was put"
+
+
+async def test_entry_planted_without_the_mesh_token_is_refused(server: RedisServer, keyed: TieredCache) -> None:
+    """Someone who can write to Redis but does not hold the mesh token writes a complete, self-consistent entry
+    (digest computed exactly as the server does, with another key or none): a miss, counted, removed."""
+    target = payload_key("payload:1:576", b"the victim's payload")
+    rows = np.zeros((2, 576), np.float32)
+    for attacker_token in ("", "a-guess"):
+        forger = RedisTier(server.url, mesh_token=attacker_token)
+        assert await forger.put(target, rows, tpb.DATA_TYPE_FP32, 60)
+        await forger.close()
+        assert redis.Redis.from_url(server.url).exists(f"embedmesh:cache:{target}:h")
+        assert await keyed.get(target) is None
+    assert keyed.l2 is not None and keyed.l2.counters.corrupted == 2
+    # The mesh's own writes, with the token, are served (positive control).
+    assert await keyed.put(target, CachedTensor(rows, tpb.DATA_TYPE_FP32))
+    keyed.l1.delete(target)
+    got = await keyed.get(target)
+    assert got is not None and np.array_equal(got.array, rows) and keyed.l2.counters.hits == 1
+
+
+async def test_header_claiming_another_shape_is_refused(server: RedisServer, cache: TieredCache) -> None:
+    """Without a token the digest still binds dtype and shape: a header rewritten to reinterpret the bytes (same
+    byte count, other shape) is a miss, not a (576, 2) view of (2, 576) rows."""
+    await cache.put("s", tensor(2))
+    cache.l1.delete("s")
+    r = redis.Redis.from_url(server.url)
+    h = bytearray(r.get("embedmesh:cache:s:h"))
+    h[12:20], h[20:28] = h[20:28], h[12:20]  # swap the two dimensions
+    r.set("embedmesh:cache:s:h", bytes(h))
+    assert await cache.get("s") is None
+    assert cache.l2 is not None and cache.l2.counters.corrupted == 1
+
+
+async def test_redis_at_maxmemory_keeps_serving(cache: TieredCache) -> None:
+    """Redis full with noeviction refuses writes with OOM: puts still succeed (L1), gets still work, nothing raises,
+    Redis is not marked down; once there is room again, L2 stores again."""
+    full = RedisServer(maxmemory="1mb").start()
+    try:
+        admin = redis.Redis.from_url(full.url)
+        admin.config_set("maxmemory-policy", "noeviction")
+        c = TieredCache(CacheConfig(capacity_bytes=64 << 20, redis_url=full.url))
+        assert c.l2 is not None
+        for i in range(8):  # ~0.5 MiB each: Redis fills up after a couple
+            assert await c.put(f"k{i}", tensor(230, seed=i))
+        assert c.l2.counters.rejected >= 1, "Redis refused writes at maxmemory"
+        assert c.l2.available, "a refusal is not an outage"
+        for i in range(8):
+            got = await c.get(f"k{i}")
+            assert got is not None and np.array_equal(got.array, tensor(230, seed=i).array)
+        assert (await c.get("never-stored")) is None
+        admin.config_set("maxmemory", "64mb")
+        assert await c.put("after-room", tensor(3))
+        c.l1.delete("after-room")
+        assert (await c.get("after-room")) is not None and c.l2.counters.hits >= 1
+        await c.close()
+    finally:
+        full.close()
+
+
+async def test_hung_redis_is_skipped_not_waited_on(server: RedisServer, cache: TieredCache) -> None:
+    """A Redis that accepts connections but never answers (SIGSTOP) costs one timeout, then calls skip L2 at once
+    until a probe succeeds; it is used again after SIGCONT."""
+    import os
+    import signal
+
+    assert await cache.put("h", tensor(2))
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        assert await cache.put("h2", tensor(2, seed=3))  # times out in L2, stored in L1
+        assert cache.l2 is not None and not cache.l2.available
+        down = cache.l2.counters.unavailable
+        for i in range(20):
+            assert await cache.get(f"absent-{i}") is None
+        assert cache.l2.counters.unavailable >= down + 19, "calls during the outage skip L2 instead of waiting"
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        if await cache.put("h3", tensor(2, seed=4)) and cache.l2.available:
+            break
+    assert cache.l2.available
+    cache.l1.delete("h3")
+    assert (await cache.get("h3")) is not None

@@ -183,3 +183,44 @@ def test_float64_to_bf16_rounds_through_float32_like_torch() -> None:
     out = validate_embeds(arr, T.DATA_TYPE_FP64, BF16, field="f", max_tokens=1)
     expected, _ = as_numpy(torch.from_numpy(arr).to(torch.bfloat16))
     assert np.array_equal(out, expected) and bf16_to_f32(out)[0, 0] == 1.0
+
+
+# --- EmbedsResolver: key spaces, tenants, re-validation of uploads --------------------------------------------
+
+
+async def test_resolver_caches_payloads_under_server_computed_validated_keys() -> None:
+    from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
+    from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds
+
+    cache = TieredCache(CacheConfig(capacity_bytes=8 << 20))
+    resolve = EmbedsResolver(cache, FP32, 1 << 20, 4)
+    payload = _saved(torch.ones(3, 8))
+    rows = await resolve(RawEmbeds(encoded=payload), "prompt_embeds")
+    assert rows.shape == (3, 8)
+    keys = cache.l1.keys()
+    assert len(keys) == 1 and keys[0].startswith(f"v1:payload:{FP32.dtype}:8:") and len(keys[0]) > 64
+
+
+async def test_resolver_uses_upload_ids_in_the_callers_tenant_only_and_revalidates() -> None:
+    import grpc
+
+    from embedmesh.core.auth import Principal, principal_scope
+    from embedmesh.core.errors import EmbedmeshError
+    from embedmesh.services.encoder_cache.keys import tenant_key
+    from embedmesh.services.encoder_cache.tiered import CacheConfig, CachedTensor, TieredCache
+    from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds
+
+    cache = TieredCache(CacheConfig(capacity_bytes=8 << 20))
+    resolve = EmbedsResolver(cache, FP32, 1 << 20, 4)
+    await cache.put(tenant_key("a", "emb-good"), CachedTensor(good(), T.DATA_TYPE_FP32))
+    await cache.put(tenant_key("a", "emb-wide"), CachedTensor(np.ones((2, 9), "<f4"), T.DATA_TYPE_FP32))
+    with principal_scope(Principal("a")):
+        assert (await resolve(RawEmbeds(cache_id="emb-good"), "prompt_embeds")).shape == (3, 8)
+        with pytest.raises(InvalidArgument) as info:  # valid for the cache, not for this model
+            await resolve(RawEmbeds(cache_id="emb-wide"), "messages[0].content[0]")
+        assert info.value.reason == "HIDDEN_SIZE_MISMATCH" and info.value.field == "messages[0].content[0]"
+    with principal_scope(Principal("b")):
+        for name in ("emb-good", "u:a:emb-good", tenant_key("a", "emb-good")):
+            with pytest.raises(EmbedmeshError) as err:
+                await resolve(RawEmbeds(cache_id=name), "prompt_embeds")
+            assert err.value.code == grpc.StatusCode.NOT_FOUND and err.value.field == "prompt_embeds"
