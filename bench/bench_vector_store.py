@@ -67,13 +67,13 @@ def exact_top(data: np.ndarray, q: np.ndarray, k: int, mask: np.ndarray | None) 
 
 def load(store: MetadataStore, data: np.ndarray) -> tuple[str, list[int]]:
     """One store, FILES files; chunk rows written like ingestion does (SQLite) or by COPY (PostgreSQL, fast)."""
-    sid = store.create_store("bench", None, {})
+    sid = store.create_store("default", "bench", None, {})
     per = len(data) // FILES
     row_ids: list[int] = []
     db = store.db
     for f in range(FILES):
-        fobj = store.create_file(f"f{f}.txt", "assistants", "text/plain", b"x")
-        _, p, _ = store.add_store_file(sid, fobj.id, AUTO_CHUNKING, {"g": float(f % 10)})
+        fobj = store.create_file("default", f"f{f}.txt", "assistants", "text/plain", b"x")
+        _, p, _ = store.add_store_file("default", sid, fobj.id, AUTO_CHUNKING, {"g": float(f % 10)})
         vecs = data[f * per:(f + 1) * per]
         if db.dialect == "sqlite":
             from embedmesh.services.vector_store.chunking import Chunk

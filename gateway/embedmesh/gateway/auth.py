@@ -13,13 +13,12 @@ store authenticate the key again and derive the tenant themselves. Its channels 
 from __future__ import annotations
 
 import contextvars
-from typing import Any
 
 import grpc
 from starlette.requests import Request
 
 from embedmesh.core import auth
-from embedmesh.core.server import mesh_channel
+from embedmesh.core.server import mesh_channel, metadata_interceptors
 from embedmesh.gateway.errors import ApiError
 
 __all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
@@ -51,31 +50,13 @@ def authenticate_request(request: Request, metrics_require_key: bool = False) ->
     return auth.Principal(key.tenant, admin=key.admin, key=key)
 
 
-class _ForwardAuthorization(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                            grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the current request's ``Authorization`` header to each call as ``authorization`` metadata."""
-
-    def _details(self, details: Any) -> Any:
-        header = _authorization.get()
-        if not header:
-            return details
-        md = [m for m in (details.metadata or []) if (m[0] if isinstance(m, tuple) else m.key) != "authorization"]
-        md.append(("authorization", header))
-        return details._replace(metadata=md)
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
-
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
+def _forwarded() -> list[tuple[str, str]]:
+    """The current request's ``Authorization`` header as gRPC metadata (none outside a request)."""
+    header = _authorization.get()
+    return [("authorization", header)] if header else []
 
 
 def forwarding_channel(address: str) -> grpc.aio.Channel:
     """A channel to a mesh service that carries the client's key (TLS when configured, never the mesh token)."""
-    return mesh_channel(address, mesh_token=False, interceptors=[_ForwardAuthorization()])
+    return mesh_channel(address, mesh_token=False,
+                        interceptors=metadata_interceptors(_forwarded, frozenset({"authorization"})))

@@ -42,7 +42,8 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "ErrorInterceptor",
+__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "metadata_interceptors",
+           "ErrorInterceptor",
            "LIVENESS", "Access"]
 
 LIVENESS = "embedmesh.Liveness"
@@ -88,29 +89,38 @@ def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]
     ]
 
 
-class _MeshTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                            grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the mesh token to every call of an internal channel."""
+def metadata_interceptors(extra: Callable[[], list[tuple[str, str]]],
+                          replace: frozenset[str] = frozenset()) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors adding ``extra()``'s metadata to every call (dropping keys in ``replace`` first).
 
-    def __init__(self, token: str) -> None:
-        self._md = (tls.MESH_TOKEN_HEADER, token)
+    One instance per call kind: grpc.aio files an interceptor under the first kind it implements, so a single class
+    implementing all four would only ever see unary-unary calls."""
 
-    def _with_token(self, details: Any) -> Any:
-        md = list(details.metadata or [])
-        md.append(self._md)
+    def details_with(details: Any) -> Any:
+        add = extra()
+        if not add:
+            return details
+        md = [m for m in (details.metadata or []) if (m[0] if isinstance(m, tuple) else m.key) not in replace]
+        md.extend(add)
         return details._replace(metadata=md)
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+    class _UU(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(details_with(details), request)
 
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._with_token(details), request)
+    class _US(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(details_with(details), request)
 
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._with_token(details), request_iterator)
+    class _SU(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+            return await continuation(details_with(details), request_iterator)
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._with_token(details), request_iterator)
+    class _SS(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+            return await continuation(details_with(details), request_iterator)
+
+    return [_UU(), _US(), _SU(), _SS()]
 
 
 def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token: bool = True,
@@ -123,7 +133,8 @@ def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token
     sec = tls.current()
     interceptors = [*TracingClientInterceptor(), *(interceptors or [])]
     if sec.mesh_token and mesh_token:
-        interceptors.append(_MeshTokenInterceptor(sec.mesh_token))
+        token = [(tls.MESH_TOKEN_HEADER, sec.mesh_token)]
+        interceptors.extend(metadata_interceptors(lambda: token, frozenset({tls.MESH_TOKEN_HEADER})))
     creds = sec.channel_credentials()
     if creds is not None:
         return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes),

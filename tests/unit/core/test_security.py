@@ -32,6 +32,9 @@ class Echo(worker_pb2_grpc.WorkerServiceServicer):
     async def ClearKvBlocks(self, request: Any, context: Any) -> Any:  # noqa: N802
         return worker_pb2.ClearKvBlocksResponse(cleared=True)
 
+    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 - a unary-stream call
+        yield worker_pb2.GenerateResponse(text=auth.current_principal().tenant)
+
 
 @pytest.fixture
 def keys() -> Iterator[None]:
@@ -225,6 +228,9 @@ async def test_mesh_token_opens_internal_rpcs_only_when_exact(plain_security: No
     bare = grpc.aio.insecure_channel(server.address)
     try:
         assert (await worker_pb2_grpc.WorkerServiceStub(good).GetInfo(worker_pb2.GetInfoRequest())).engine == "admin"
+        # Streaming calls carry the token too (each call kind has its own interceptor).
+        assert [r.text async for r in worker_pb2_grpc.WorkerServiceStub(good).Generate(
+            worker_pb2.GenerateRequest())] == [auth.DEFAULT_TENANT]
         stub = worker_pb2_grpc.WorkerServiceStub(bare)
         for md in ([], [(tls.MESH_TOKEN_HEADER, "s3cret-token-valuX")], [(tls.MESH_TOKEN_HEADER, "")]):
             with pytest.raises(grpc.aio.AioRpcError) as info:

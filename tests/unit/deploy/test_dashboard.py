@@ -1,6 +1,6 @@
 """The Grafana dashboard: well-formed, and built only on metric names that exist — the services' own
-(``embedmesh_*``, found in the source; a few assumed names the exporters are being aligned to are listed below)
-and Envoy's (read from a real Envoy's /stats/prometheus)."""
+(``embedmesh_*``, each defined in the services' or the gateway's source; no exceptions) and Envoy's (read from a
+real Envoy's /stats/prometheus)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,6 @@ import yaml
 from tests.unit.deploy._support import DEPLOY, ROOT, load_script, mesh, tool
 
 DASHBOARD = DEPLOY / "grafana" / "embedmesh.json"
-ASSUMED = {
-    # Vector-store ingestion: named here first; the vector store's exporter is to use these names.
-    "embedmesh_vector_store_files_ingested_total",          # counter, label status (completed|failed|cancelled)
-    "embedmesh_vector_store_ingestion_duration_seconds",    # histogram, one observation per file
-    "embedmesh_vector_store_chunks_indexed_total",          # counter
-    "embedmesh_vector_store_ingestions_in_progress",        # gauge
-}
 _SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
 
 
@@ -82,7 +75,7 @@ def test_dashboard_covers_every_area() -> None:
 def test_embedmesh_metrics_are_exported_by_the_services() -> None:
     source = "\n".join(p.read_text() for d in ("services", "gateway") for p in (ROOT / d).rglob("*.py"))
     defined = set(re.findall(r"[\"'](embedmesh_[a-z0-9_]+)[\"']", source))
-    missing = {m for m in _used("embedmesh_") if not {m, _base(m)} & (defined | ASSUMED)}
+    missing = {m for m in _used("embedmesh_") if not {m, _base(m)} & defined}
     assert not missing, f"dashboard uses metrics no service defines: {sorted(missing)}"
 
 

@@ -13,7 +13,8 @@ from starlette.routing import Route
 
 from embedmesh.core import auth
 from embedmesh.gateway import GatewayConfig, create_app
-from embedmesh.gateway.auth import _authorization, _ForwardAuthorization
+from embedmesh.gateway.auth import _authorization
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 @pytest.fixture
@@ -71,17 +72,39 @@ async def test_without_keys_routes_are_open() -> None:
         assert r.status_code == 400
 
 
-def test_forwarding_interceptor_carries_only_the_current_requests_key() -> None:
-    from collections import namedtuple
+class _Seen(worker_pb2_grpc.WorkerServiceServicer):
+    """Answers every call kind with the ``authorization`` metadata it received."""
 
-    Details = namedtuple("Details", "method timeout metadata credentials wait_for_ready")
-    fwd = _ForwardAuthorization()
-    d = Details("/x", None, [("authorization", "Bearer spoofed"), ("other", "1")], None, None)
-    token = _authorization.set("Bearer good-key-123")
+    @staticmethod
+    def _auth(context: Any) -> str:
+        return dict(context.invocation_metadata()).get("authorization", "")
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - unary-unary
+        return worker_pb2.GetInfoResponse(model=self._auth(context))
+
+    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 - unary-stream
+        yield worker_pb2.GenerateResponse(text=self._auth(context))
+
+
+async def test_forwarding_channel_carries_the_requests_key_on_every_call_kind() -> None:
+    from embedmesh.core.server import Server, ServerOptions
+    from embedmesh.gateway.auth import forwarding_channel
+
+    server = Server("t", ServerOptions(port=0, grace_seconds=0.1))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, _Seen(), "embedmesh.worker.v1.WorkerService")
+    await server.start()
+    ch = forwarding_channel(server.address)
+    stub = worker_pb2_grpc.WorkerServiceStub(ch)
     try:
-        md = fwd._details(d).metadata
+        token = _authorization.set("Bearer good-key-123")
+        try:
+            unary = await stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=[("authorization", "Bearer spoofed")])
+            streamed = [r.text async for r in stub.Generate(worker_pb2.GenerateRequest())]
+        finally:
+            _authorization.reset(token)
+        assert unary.model == "Bearer good-key-123"  # the request's key replaces anything else
+        assert streamed == ["Bearer good-key-123"]
+        assert (await stub.GetInfo(worker_pb2.GetInfoRequest())).model == ""  # outside a request: nothing
     finally:
-        _authorization.reset(token)
-    assert ("authorization", "Bearer good-key-123") in md and ("authorization", "Bearer spoofed") not in md
-    assert ("other", "1") in md
-    assert fwd._details(d).metadata == d.metadata  # no request key: nothing added
+        await ch.close()
+        await server.drain()

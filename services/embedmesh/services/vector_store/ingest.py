@@ -5,6 +5,12 @@ written after every embedded batch and logged. Failures mark the file ``failed``
 (``invalid_file`` for unusable content, ``server_error`` for the embedding service or the index). A cancelled task
 writes nothing. A process that dies mid-file leaves it ``in_progress`` with no chunks; ``requeue`` at start-up picks
 it up again (or marks it failed).
+
+Metrics (the dashboard's "Vector store" row): ``embedmesh_vector_store_files_ingested_total{status}`` counts every
+ingestion task once as it ends (completed, failed, or cancelled — a file removed, re-added or cancelled before it
+completed), ``embedmesh_vector_store_ingestion_duration_seconds`` observes each completed or failed file from the
+start of its work, ``embedmesh_vector_store_chunks_indexed_total`` counts chunks committed, and
+``embedmesh_vector_store_ingestions_in_progress`` is the number of ingestion tasks queued or running.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import time
 
 import numpy as np
+from prometheus_client import Counter, Gauge, Histogram
 
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
@@ -25,6 +32,14 @@ from embedmesh.services.vector_store.store import MetadataStore, PendingFile
 __all__ = ["Ingestor"]
 
 log = get_logger(__name__)
+
+FILES_INGESTED = Counter("embedmesh_vector_store_files_ingested_total",
+                         "Store-file ingestions ended, by outcome (completed, failed, cancelled)", ["status"])
+INGESTION_SECONDS = Histogram("embedmesh_vector_store_ingestion_duration_seconds",
+                              "Chunk + embed + commit time of one file (completed or failed)",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+CHUNKS_INDEXED = Counter("embedmesh_vector_store_chunks_indexed_total", "Chunks embedded and committed to a store")
+IN_PROGRESS = Gauge("embedmesh_vector_store_ingestions_in_progress", "Store-file ingestions queued or running")
 
 
 class Ingestor:
@@ -45,7 +60,18 @@ class Ingestor:
         key = (p.store_id, p.file_id)
         task = asyncio.create_task(self._run(p), name=f"ingest {p.store_id}/{p.file_id}")
         self._tasks[key] = task
-        task.add_done_callback(lambda t, key=key: self._tasks.pop(key, None) if self._tasks.get(key) is t else None)
+        IN_PROGRESS.inc()
+        task.add_done_callback(lambda t, key=key: self._ended(key, t))
+
+    def _ended(self, key: tuple[str, str], task: asyncio.Task[str]) -> None:
+        # A done callback runs for every task, even one cancelled before it started (its coroutine never ran).
+        if self._tasks.get(key) is task:
+            self._tasks.pop(key, None)
+        IN_PROGRESS.dec()
+        if task.cancelled():
+            FILES_INGESTED.labels(status="cancelled").inc()
+        else:
+            FILES_INGESTED.labels(status="failed" if task.exception() is not None else task.result()).inc()
 
     def cancel(self, store_id: str, file_id: str) -> None:
         task = self._tasks.pop((store_id, file_id), None)
@@ -88,16 +114,17 @@ class Ingestor:
                 await asyncio.sleep(self.retry_delay * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _run(self, p: PendingFile) -> None:
+    async def _run(self, p: PendingFile) -> str:
+        """Ingest one store file; returns how it ended: "completed", "failed" or "cancelled"."""
         async with self._sem:
             db = self.store.db
             t0 = time.perf_counter()
+            committed = False
             try:
                 if not await db.run(self.store.is_current, p):
-                    return
-                f = await db.run(self.store.get_file, p.file_id)
-                content = await db.run(self.store.file_content, p.file_id)
-                text = decode_text(content, f.media_type)
+                    return "cancelled"
+                media_type, content = await db.run(self.store.ingest_source, p.file_id)
+                text = decode_text(content, media_type)
                 chunks = await asyncio.to_thread(chunk_text, text, p.chunking, self.tokenizer)
                 if not chunks:
                     raise InvalidArgument("the file holds no text to index", field="file", reason="EMPTY_FILE")
@@ -117,22 +144,33 @@ class Ingestor:
                 if ids is None:
                     log.info("ingest dropped: the file was cancelled, removed or re-added",
                              extra={"store": p.store_id, "file": p.file_id})
-                    return
+                    return "cancelled"
+                committed = True
+                CHUNKS_INDEXED.inc(total)
                 await self.index.added(p.store_id, p.file_id, ids, vectors)
+                seconds = time.perf_counter() - t0
+                INGESTION_SECONDS.observe(seconds)
                 log.info("ingest completed", extra={"store": p.store_id, "file": p.file_id, "chunks": total,
-                                                    "seconds": round(time.perf_counter() - t0, 3)})
+                                                    "seconds": round(seconds, 3)})
+                return "completed"
             except asyncio.CancelledError:
                 log.info("ingest cancelled", extra={"store": p.store_id, "file": p.file_id})
                 raise
             except InvalidArgument as e:
-                await db.run(self.store.fail, p, "invalid_file", e.message)
+                failed = await db.run(self.store.fail, p, "invalid_file", e.message)
                 log.warning("ingest failed", extra={"store": p.store_id, "file": p.file_id, "error": e.message})
             except EmbedmeshError as e:
-                await db.run(self.store.fail, p, "server_error", e.message)
+                failed = await db.run(self.store.fail, p, "server_error", e.message)
                 log.warning("ingest failed", extra={"store": p.store_id, "file": p.file_id, "error": e.message})
             except Exception as e:  # noqa: BLE001 - a background task must record its failure, not vanish
                 log.exception("ingest crashed", extra={"store": p.store_id, "file": p.file_id})
-                await db.run(self.store.fail, p, "server_error", f"internal error: {type(e).__name__}")
+                failed = await db.run(self.store.fail, p, "server_error", f"internal error: {type(e).__name__}")
+            if not failed:
+                # Nothing recorded: the rows were committed before the error (the index is reconciled from them),
+                # or the file was cancelled, removed or re-added while this ran.
+                return "completed" if committed else "cancelled"
+            INGESTION_SECONDS.observe(time.perf_counter() - t0)
+            return "failed"
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -6,6 +6,12 @@ it ``completed`` (guarded by the file's ingestion token, so a cancelled, deleted
 so a crash leaves either no chunks and ``in_progress``, or every chunk and ``completed``. The embedded HNSW index is
 derived from these rows and reconciled with them when loaded.
 
+Tenancy: every file, vector store and file batch carries the tenant that created it, and every method a client's
+request reaches takes that tenant and matches it in SQL, so another tenant's id behaves exactly like an unknown one
+(the same NotFound). A store's files and chunks belong to the store's tenant; files are attached only to stores of
+their own tenant. Ids are random (128 bits), never derived from content, so an id tells nothing about the bytes and
+cannot be guessed. Rows written before tenancy existed belong to tenant ``default``.
+
 Every method is synchronous and runs on the database thread (``Database.run``).
 """
 
@@ -44,8 +50,12 @@ T = TypeVar("T")
 MAX_PAGE = 100
 
 
+ID_BYTES = 16
+"""Random bytes in every id handed to clients (128 bits: unguessable, collision-free in practice)."""
+
+
 def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
+    return prefix + secrets.token_hex(ID_BYTES)
 
 
 def now() -> int:
@@ -91,11 +101,12 @@ def _schema(dialect: str, dimensions: int) -> list[str]:
     return [
         f"""CREATE TABLE IF NOT EXISTS vs_files (
             seq {pk}, id TEXT NOT NULL UNIQUE, size_bytes BIGINT NOT NULL, created_at BIGINT NOT NULL,
-            filename TEXT NOT NULL, purpose TEXT NOT NULL, media_type TEXT NOT NULL, content {blob} NOT NULL)""",
+            filename TEXT NOT NULL, purpose TEXT NOT NULL, media_type TEXT NOT NULL, content {blob} NOT NULL,
+            tenant TEXT NOT NULL DEFAULT 'default')""",
         f"""CREATE TABLE IF NOT EXISTS vs_stores (
             seq {pk}, id TEXT NOT NULL UNIQUE, created_at BIGINT NOT NULL, name TEXT NOT NULL,
             expires_days INTEGER, last_active_at BIGINT NOT NULL, metadata TEXT NOT NULL,
-            embedding_model TEXT NOT NULL, dimensions INTEGER NOT NULL)""",
+            embedding_model TEXT NOT NULL, dimensions INTEGER NOT NULL, tenant TEXT NOT NULL DEFAULT 'default')""",
         f"""CREATE TABLE IF NOT EXISTS vs_store_files (
             seq {pk}, store_id TEXT NOT NULL, file_id TEXT NOT NULL, created_at BIGINT NOT NULL,
             status TEXT NOT NULL, error_code TEXT, error_message TEXT, chunk_size INTEGER NOT NULL,
@@ -104,13 +115,22 @@ def _schema(dialect: str, dimensions: int) -> list[str]:
             token TEXT NOT NULL, UNIQUE (store_id, file_id))""",
         f"""CREATE TABLE IF NOT EXISTS vs_batches (
             seq {pk}, id TEXT NOT NULL UNIQUE, store_id TEXT NOT NULL, created_at BIGINT NOT NULL,
-            cancelled INTEGER NOT NULL DEFAULT 0)""",
+            cancelled INTEGER NOT NULL DEFAULT 0, tenant TEXT NOT NULL DEFAULT 'default')""",
         f"""CREATE TABLE IF NOT EXISTS vs_chunks (
             id {pk}, store_id TEXT NOT NULL, file_id TEXT NOT NULL, seq INTEGER NOT NULL, text TEXT NOT NULL,
             {chunk_cols})""",
         "CREATE INDEX IF NOT EXISTS vs_chunks_file ON vs_chunks (store_id, file_id)",
         "CREATE INDEX IF NOT EXISTS vs_store_files_batch ON vs_store_files (batch_id)",
     ]
+
+
+_TENANT_TABLES = ("vs_files", "vs_stores", "vs_batches")
+"""Tables whose rows carry their tenant (``tenant`` column, added to databases made before it existed)."""
+
+_TENANT_INDEXES = [
+    "CREATE INDEX IF NOT EXISTS vs_files_tenant ON vs_files (tenant, seq)",
+    "CREATE INDEX IF NOT EXISTS vs_stores_tenant ON vs_stores (tenant, seq)",
+]
 
 
 def _status_counts(rows: Sequence[tuple[Any, ...]]) -> FileCounts:
@@ -138,6 +158,18 @@ class MetadataStore:
         with self.db.transaction():
             for stmt in _schema(self.db.dialect, self.dimensions):
                 self.db.execute(stmt)
+            self._add_tenant_columns()
+            for stmt in _TENANT_INDEXES:
+                self.db.execute(stmt)
+
+    def _add_tenant_columns(self) -> None:
+        """Migration: tables created before tenancy get ``tenant`` with 'default' for their existing rows."""
+        for table in _TENANT_TABLES:
+            if self.db.dialect == "postgres":
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS tenant TEXT NOT NULL "
+                                f"DEFAULT 'default'")
+            elif "tenant" not in {r[1] for r in self.db.query(f"PRAGMA table_info({table})")}:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'")
 
     # --- paging -------------------------------------------------------------------------------------------------
     def _page(self, table: str, where: str, params: Sequence[Any], page: PageRequest, cursor_col: str,
@@ -172,32 +204,47 @@ class MetadataStore:
     def _file(r: tuple[Any, ...]) -> FileObject:
         return FileObject(r[0], int(r[1]), int(r[2]), r[3], r[4], r[5])
 
-    def create_file(self, filename: str, purpose: str, media_type: str, content: bytes) -> FileObject:
+    def create_file(self, tenant: str, filename: str, purpose: str, media_type: str, content: bytes) -> FileObject:
         f = FileObject(new_id("file-"), len(content), now(), filename, purpose, media_type)
-        self.db.execute("INSERT INTO vs_files (id, size_bytes, created_at, filename, purpose, media_type, content) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        [f.id, f.size_bytes, f.created_at, filename, purpose, media_type, content])
+        self.db.execute("INSERT INTO vs_files (id, size_bytes, created_at, filename, purpose, media_type, content, "
+                        "tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        [f.id, f.size_bytes, f.created_at, filename, purpose, media_type, content, tenant])
         return f
 
-    def get_file(self, file_id: str, field: str = "file_id") -> FileObject:
-        row = self.db.one(f"SELECT {self._FILE_COLS} FROM vs_files WHERE id = ?", [file_id])
+    @staticmethod
+    def _no_file(file_id: str, field: str) -> NotFound:
+        return NotFound(f"{field}: no file {file_id!r}", field=field, reason="FILE_NOT_FOUND")
+
+    def get_file(self, tenant: str, file_id: str, field: str = "file_id") -> FileObject:
+        row = self.db.one(f"SELECT {self._FILE_COLS} FROM vs_files WHERE id = ? AND tenant = ?", [file_id, tenant])
         if row is None:
-            raise NotFound(f"{field}: no file {file_id!r}", field=field, reason="FILE_NOT_FOUND")
+            raise self._no_file(file_id, field)
         return self._file(row)
 
-    def file_content(self, file_id: str) -> bytes:
-        row = self.db.one("SELECT content FROM vs_files WHERE id = ?", [file_id])
+    def file_content(self, tenant: str, file_id: str) -> bytes:
+        row = self.db.one("SELECT content FROM vs_files WHERE id = ? AND tenant = ?", [file_id, tenant])
         if row is None:
-            raise NotFound(f"file_id: no file {file_id!r}", field="file_id", reason="FILE_NOT_FOUND")
+            raise self._no_file(file_id, "file_id")
         return bytes(row[0])
 
-    def list_files(self, purpose: str, page: PageRequest) -> Page[FileObject]:
-        where, params = ("purpose = ?", [purpose]) if purpose else ("1 = 1", [])
+    def ingest_source(self, file_id: str) -> tuple[str, bytes]:
+        """(media type, content) of a file for ingestion. Unscoped: ingestion runs in the background (and after a
+        restart) for a store file whose file and store were checked to share a tenant when it was added."""
+        row = self.db.one("SELECT media_type, content FROM vs_files WHERE id = ?", [file_id])
+        if row is None:
+            raise self._no_file(file_id, "file_id")
+        return row[0], bytes(row[1])
+
+    def list_files(self, tenant: str, purpose: str, page: PageRequest) -> Page[FileObject]:
+        where, params = "tenant = ?", [tenant]
+        if purpose:
+            where += " AND purpose = ?"
+            params.append(purpose)
         return self._page("vs_files", where, params, page, "id", self._FILE_COLS, self._file)
 
-    def delete_file(self, file_id: str) -> list[tuple[str, list[int]]]:
+    def delete_file(self, tenant: str, file_id: str) -> list[tuple[str, list[int]]]:
         """Delete a file and its membership in every store; returns (store_id, removed chunk ids) per store."""
-        self.get_file(file_id)
+        self.get_file(tenant, file_id)
         with self.db.transaction():
             stores = [r[0] for r in self.db.query("SELECT store_id FROM vs_store_files WHERE file_id = ?", [file_id])]
             removed = [(s, self._drop_chunks(s, file_id)) for s in stores]
@@ -224,26 +271,27 @@ class MetadataStore:
                            ExpiresAfter(int(days)) if days else None, expires_at, last_active, json.loads(r[5]),
                            r[6], int(r[7]))
 
-    def create_store(self, name: str, expires: ExpiresAfter | None, metadata: dict[str, str]) -> str:
+    def create_store(self, tenant: str, name: str, expires: ExpiresAfter | None, metadata: dict[str, str]) -> str:
         sid = new_id("vs_")
         t = now()
-        self.db.execute(f"INSERT INTO vs_stores ({self._STORE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute(f"INSERT INTO vs_stores ({self._STORE_COLS}, tenant) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         [sid, t, name, expires.days if expires else None, t, json.dumps(metadata),
-                         self.embedding_model, self.dimensions])
+                         self.embedding_model, self.dimensions, tenant])
         return sid
 
-    def get_store(self, store_id: str, field: str = "vector_store_id") -> VectorStore:
-        row = self.db.one(f"SELECT {self._STORE_COLS} FROM vs_stores WHERE id = ?", [store_id])
+    def get_store(self, tenant: str, store_id: str, field: str = "vector_store_id") -> VectorStore:
+        row = self.db.one(f"SELECT {self._STORE_COLS} FROM vs_stores WHERE id = ? AND tenant = ?",
+                          [store_id, tenant])
         if row is None:
             raise NotFound(f"{field}: no vector store {store_id!r}", field=field, reason="VECTOR_STORE_NOT_FOUND")
         return self._store(row)
 
-    def list_stores(self, page: PageRequest) -> Page[VectorStore]:
-        return self._page("vs_stores", "1 = 1", [], page, "id", self._STORE_COLS, self._store)
+    def list_stores(self, tenant: str, page: PageRequest) -> Page[VectorStore]:
+        return self._page("vs_stores", "tenant = ?", [tenant], page, "id", self._STORE_COLS, self._store)
 
-    def update_store(self, store_id: str, name: str | None, expires: ExpiresAfter | None, clear_expires: bool,
-                     metadata: dict[str, str] | None) -> VectorStore:
-        self.get_store(store_id)
+    def update_store(self, tenant: str, store_id: str, name: str | None, expires: ExpiresAfter | None,
+                     clear_expires: bool, metadata: dict[str, str] | None) -> VectorStore:
+        self.get_store(tenant, store_id)
         sets, params = ["last_active_at = ?"], [now()]
         if name is not None:
             sets.append("name = ?")
@@ -256,8 +304,9 @@ class MetadataStore:
         if metadata is not None:
             sets.append("metadata = ?")
             params.append(json.dumps(metadata))  # type: ignore[arg-type]
-        self.db.execute(f"UPDATE vs_stores SET {', '.join(sets)} WHERE id = ?", [*params, store_id])
-        return self.get_store(store_id)
+        self.db.execute(f"UPDATE vs_stores SET {', '.join(sets)} WHERE id = ? AND tenant = ?",
+                        [*params, store_id, tenant])
+        return self.get_store(tenant, store_id)
 
     def touch_store(self, store_id: str, resolution_seconds: int = 0) -> None:
         """Record activity (expiry counts from it). Searches pass a resolution so they rarely write."""
@@ -265,8 +314,8 @@ class MetadataStore:
         self.db.execute("UPDATE vs_stores SET last_active_at = ? WHERE id = ? AND last_active_at <= ?",
                         [t, store_id, t - resolution_seconds])
 
-    def delete_store(self, store_id: str) -> None:
-        self.get_store(store_id)
+    def delete_store(self, tenant: str, store_id: str) -> None:
+        self.get_store(tenant, store_id)
         with self.db.transaction():
             self.db.execute("DELETE FROM vs_chunks WHERE store_id = ?", [store_id])
             self.db.execute("DELETE FROM vs_store_files WHERE store_id = ?", [store_id])
@@ -274,6 +323,8 @@ class MetadataStore:
             self.db.execute("DELETE FROM vs_stores WHERE id = ?", [store_id])
 
     # --- files in a store ---------------------------------------------------------------------------------------
+    # Reads and changes of a store's files take a store id the caller has already found with ``get_store`` for the
+    # requesting tenant (VectorStores does so first in every operation); ``add_store_file`` checks both ids itself.
     _SF_COLS = ("file_id, created_at, store_id, usage_bytes, status, error_code, error_message, chunk_size, "
                 "chunk_overlap, attributes, chunks_done, chunks_total")
 
@@ -283,12 +334,18 @@ class MetadataStore:
         return VectorStoreFile(r[0], int(r[1]), r[2], int(r[3]), r[4], err, ChunkingSpec(int(r[7]), int(r[8])),
                                json.loads(r[9]), int(r[10]), int(r[11]))
 
-    def add_store_file(self, store_id: str, file_id: str, chunking: ChunkingSpec, attributes: Attributes,
+    def add_store_file(self, tenant: str, store_id: str, file_id: str, chunking: ChunkingSpec, attributes: Attributes,
                        batch_id: str | None = None) -> tuple[VectorStoreFile, PendingFile, list[int]]:
         """Insert (or reset, when already there) a store file as in_progress with a fresh token; returns it, what
-        to ingest, and chunk ids of a previous ingestion that were removed."""
+        to ingest, and chunk ids of a previous ingestion that were removed. The store and the file must both be
+        ``tenant``'s (NotFound naming the missing one otherwise), so a store never holds another tenant's file."""
         token = secrets.token_hex(8)
         with self.db.transaction():
+            if self.db.one("SELECT 1 FROM vs_stores WHERE id = ? AND tenant = ?", [store_id, tenant]) is None:
+                raise NotFound(f"vector_store_id: no vector store {store_id!r}", field="vector_store_id",
+                               reason="VECTOR_STORE_NOT_FOUND")
+            if self.db.one("SELECT 1 FROM vs_files WHERE id = ? AND tenant = ?", [file_id, tenant]) is None:
+                raise self._no_file(file_id, "file_id")
             removed = self._drop_chunks(store_id, file_id)
             self.db.execute("DELETE FROM vs_store_files WHERE store_id = ? AND file_id = ?", [store_id, file_id])
             self.db.execute(
@@ -392,14 +449,15 @@ class MetadataStore:
         return ids
 
     # --- batches ------------------------------------------------------------------------------------------------
-    def create_batch(self, store_id: str) -> str:
+    def create_batch(self, tenant: str, store_id: str) -> str:
         bid = new_id("vsfb_")
-        self.db.execute("INSERT INTO vs_batches (id, store_id, created_at) VALUES (?, ?, ?)", [bid, store_id, now()])
+        self.db.execute("INSERT INTO vs_batches (id, store_id, created_at, tenant) VALUES (?, ?, ?, ?)",
+                        [bid, store_id, now(), tenant])
         return bid
 
-    def get_batch(self, store_id: str, batch_id: str) -> FileBatch:
-        row = self.db.one("SELECT id, created_at, store_id, cancelled FROM vs_batches WHERE id = ? AND store_id = ?",
-                          [batch_id, store_id])
+    def get_batch(self, tenant: str, store_id: str, batch_id: str) -> FileBatch:
+        row = self.db.one("SELECT id, created_at, store_id, cancelled FROM vs_batches WHERE id = ? AND store_id = ? "
+                          "AND tenant = ?", [batch_id, store_id, tenant])
         if row is None:
             raise NotFound(f"batch_id: no file batch {batch_id!r} in vector store {store_id!r}", field="batch_id",
                            reason="BATCH_NOT_FOUND")
@@ -416,9 +474,9 @@ class MetadataStore:
             status = "completed"
         return FileBatch(row[0], int(row[1]), row[2], status, counts)
 
-    def cancel_batch(self, store_id: str, batch_id: str) -> list[str]:
+    def cancel_batch(self, tenant: str, store_id: str, batch_id: str) -> list[str]:
         """Mark the batch cancelled and its in-progress files cancelled; returns those file ids."""
-        self.get_batch(store_id, batch_id)
+        self.get_batch(tenant, store_id, batch_id)
         with self.db.transaction():
             ids = [r[0] for r in self.db.query("SELECT file_id FROM vs_store_files WHERE batch_id = ? AND "
                                                "status = 'in_progress'", [batch_id])]

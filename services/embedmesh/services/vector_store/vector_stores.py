@@ -5,6 +5,10 @@ Search: each query string is embedded (after ``rewrite_query``'s normalisation: 
 nothing else), each is searched for ``max_num_results`` chunks, results are merged by best score per chunk.
 ``score`` is the cosine similarity clamped to [0, 1]; ``ranker`` ("auto", "default-2024-11-15", "none") is accepted
 and every value ranks by that score; ``score_threshold`` drops results below it.
+
+Tenancy: every operation acts for the tenant of the RPC being served (``embedmesh.core.auth.current_tenant``, set
+by the server from the caller's API key) and passes it to every metadata-store call; another tenant's file, vector
+store or batch id is answered exactly as an unknown one (NotFound).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import re
 
 import numpy as np
 
+from embedmesh.core.auth import current_tenant
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument
 from embedmesh.core.logs import get_logger
 from embedmesh.services.vector_store.chunking import TokenCounter, check_chunking, load_tokenizer
@@ -112,60 +117,67 @@ class VectorStores:
                                   field="file", reason="FILE_TOO_LARGE")
         media = detect_media_type(filename, content_type)
         decode_text(content, media)
-        return await self.db.run(self.store.create_file, os.path.basename(filename), purpose, media, content)
+        return await self.db.run(self.store.create_file, current_tenant(), os.path.basename(filename), purpose,
+                                 media, content)
 
     async def list_files(self, purpose: str, page: PageRequest) -> Page[FileObject]:
-        return await self.db.run(self.store.list_files, purpose, page)
+        return await self.db.run(self.store.list_files, current_tenant(), purpose, page)
 
     async def get_file(self, file_id: str) -> FileObject:
-        return await self.db.run(self.store.get_file, file_id)
+        return await self.db.run(self.store.get_file, current_tenant(), file_id)
 
     async def file_content(self, file_id: str) -> bytes:
-        return await self.db.run(self.store.file_content, file_id)
+        return await self.db.run(self.store.file_content, current_tenant(), file_id)
 
     async def delete_file(self, file_id: str) -> None:
-        await self.db.run(self.store.get_file, file_id)
+        tenant = current_tenant()
+        await self.db.run(self.store.get_file, tenant, file_id)
         self.ingestor.cancel_file(file_id)
-        for store_id, ids in await self.db.run(self.store.delete_file, file_id):
+        for store_id, ids in await self.db.run(self.store.delete_file, tenant, file_id):
             await self.index.removed(store_id, ids)
 
     # --- stores -------------------------------------------------------------------------------------------------
     async def create_store(self, name: str, file_ids: list[str], chunking: ChunkingSpec | None,
                            expires: ExpiresAfter | None, metadata: dict[str, str]) -> VectorStore:
+        tenant = current_tenant()
         _check_metadata(metadata)
         _check_expires(expires)
         spec = check_chunking(chunking or AUTO_CHUNKING)
         for i, fid in enumerate(file_ids):
-            await self.db.run(self.store.get_file, fid, f"file_ids[{i}]")
-        store_id = await self.db.run(self.store.create_store, name, expires, metadata)
+            await self.db.run(self.store.get_file, tenant, fid, f"file_ids[{i}]")
+        store_id = await self.db.run(self.store.create_store, tenant, name, expires, metadata)
         for fid in dict.fromkeys(file_ids):
-            await self._add(store_id, fid, {}, spec, None)
+            await self._add(tenant, store_id, fid, {}, spec, None)
         return await self.get_store(store_id)
 
     async def list_stores(self, page: PageRequest) -> Page[VectorStore]:
-        return await self.db.run(self.store.list_stores, page)
+        return await self.db.run(self.store.list_stores, current_tenant(), page)
 
     async def get_store(self, store_id: str) -> VectorStore:
-        return await self.db.run(self.store.get_store, store_id)
+        return await self.db.run(self.store.get_store, current_tenant(), store_id)
 
     async def update_store(self, store_id: str, name: str | None, expires: ExpiresAfter | None,
                            clear_expires: bool, metadata: dict[str, str] | None) -> VectorStore:
         if metadata is not None:
             _check_metadata(metadata)
         _check_expires(expires)
-        return await self.db.run(self.store.update_store, store_id, name, expires, clear_expires, metadata)
+        return await self.db.run(self.store.update_store, current_tenant(), store_id, name, expires, clear_expires,
+                                 metadata)
 
     async def delete_store(self, store_id: str) -> None:
+        tenant = current_tenant()
         await self.get_store(store_id)
         self.ingestor.cancel_store(store_id)
-        await self.db.run(self.store.delete_store, store_id)
+        await self.db.run(self.store.delete_store, tenant, store_id)
         await self.index.dropped(store_id)
 
     # --- files in a store ---------------------------------------------------------------------------------------
-    async def _add(self, store_id: str, file_id: str, attributes: Attributes, chunking: ChunkingSpec,
+    # Each operation finds the store for the caller's tenant first (NotFound otherwise); the store-file calls after
+    # it are keyed by that store.
+    async def _add(self, tenant: str, store_id: str, file_id: str, attributes: Attributes, chunking: ChunkingSpec,
                    batch_id: str | None) -> VectorStoreFile:
-        sf, pending, removed = await self.db.run(self.store.add_store_file, store_id, file_id, chunking, attributes,
-                                                 batch_id)
+        sf, pending, removed = await self.db.run(self.store.add_store_file, tenant, store_id, file_id, chunking,
+                                                 attributes, batch_id)
         if removed:
             await self.index.removed(store_id, removed)
         self.ingestor.submit(pending)
@@ -173,10 +185,12 @@ class VectorStores:
 
     async def add_file(self, store_id: str, file_id: str, attributes: Attributes,
                        chunking: ChunkingSpec | None) -> VectorStoreFile:
+        tenant = current_tenant()
         await self.get_store(store_id)
-        await self.db.run(self.store.get_file, file_id)
+        await self.db.run(self.store.get_file, tenant, file_id)
         check_attributes(attributes)
-        return await self._add(store_id, file_id, attributes, check_chunking(chunking or AUTO_CHUNKING), None)
+        return await self._add(tenant, store_id, file_id, attributes, check_chunking(chunking or AUTO_CHUNKING),
+                               None)
 
     async def list_store_files(self, store_id: str, status: FileStatus | None,
                                page: PageRequest) -> Page[VectorStoreFile]:
@@ -200,29 +214,31 @@ class VectorStores:
 
     # --- batches ------------------------------------------------------------------------------------------------
     async def create_batch(self, store_id: str, items: list[BatchItem]) -> FileBatch:
+        tenant = current_tenant()
         await self.get_store(store_id)
         if not items:
             raise InvalidArgument("file_ids: a batch needs at least one file", field="file_ids",
                                   reason="EMPTY_BATCH")
         resolved = []
         for i, (fid, attrs, chunking) in enumerate(items):
-            await self.db.run(self.store.get_file, fid, f"file_ids[{i}]")
+            await self.db.run(self.store.get_file, tenant, fid, f"file_ids[{i}]")
             check_attributes(attrs, f"files[{i}].attributes")
             resolved.append((fid, attrs, check_chunking(chunking or AUTO_CHUNKING)))
-        batch_id = await self.db.run(self.store.create_batch, store_id)
+        batch_id = await self.db.run(self.store.create_batch, tenant, store_id)
         for fid, attrs, spec in resolved:
-            await self._add(store_id, fid, attrs, spec, batch_id)
-        return await self.db.run(self.store.get_batch, store_id, batch_id)
+            await self._add(tenant, store_id, fid, attrs, spec, batch_id)
+        return await self.db.run(self.store.get_batch, tenant, store_id, batch_id)
 
     async def get_batch(self, store_id: str, batch_id: str) -> FileBatch:
         await self.get_store(store_id)
-        return await self.db.run(self.store.get_batch, store_id, batch_id)
+        return await self.db.run(self.store.get_batch, current_tenant(), store_id, batch_id)
 
     async def cancel_batch(self, store_id: str, batch_id: str) -> FileBatch:
+        tenant = current_tenant()
         await self.get_store(store_id)
-        for fid in await self.db.run(self.store.cancel_batch, store_id, batch_id):
+        for fid in await self.db.run(self.store.cancel_batch, tenant, store_id, batch_id):
             self.ingestor.cancel(store_id, fid)
-        return await self.db.run(self.store.get_batch, store_id, batch_id)
+        return await self.db.run(self.store.get_batch, tenant, store_id, batch_id)
 
     async def list_batch_files(self, store_id: str, batch_id: str, status: FileStatus | None,
                                page: PageRequest) -> Page[VectorStoreFile]:

@@ -89,21 +89,22 @@ async def svc(config: VectorStoreConfig) -> AsyncIterator[Running]:
 
 # --- helpers ------------------------------------------------------------------------------------------------------
 async def upload(stub: Any, name: str, content: bytes, purpose: str = "assistants",
-                 content_type: str = "") -> pb.File:
+                 content_type: str = "", metadata: Any = None) -> pb.File:
     async def parts() -> AsyncIterator[pb.UploadFileRequest]:
         yield pb.UploadFileRequest(header=pb.UploadFileHeader(filename=name, purpose=purpose,
                                                               content_type=content_type))
         for i in range(0, len(content), 1000):
             yield pb.UploadFileRequest(chunk=content[i:i + 1000])
 
-    return (await stub.UploadFile(parts())).file
+    return (await stub.UploadFile(parts(), metadata=metadata)).file
 
 
-async def wait_files(stub: Any, store_id: str, timeout: float = 20.0) -> pb.VectorStore:
+async def wait_files(stub: Any, store_id: str, timeout: float = 20.0, metadata: Any = None) -> pb.VectorStore:
     """Poll until no file of the store is in progress."""
     deadline = time.monotonic() + timeout
     while True:
-        vs = (await stub.GetVectorStore(pb.GetVectorStoreRequest(vector_store_id=store_id))).vector_store
+        vs = (await stub.GetVectorStore(pb.GetVectorStoreRequest(vector_store_id=store_id),
+                                        metadata=metadata)).vector_store
         if vs.file_counts.in_progress == 0:
             return vs
         if time.monotonic() > deadline:

@@ -19,6 +19,7 @@ from embedmesh.services.vector_store.models import AUTO_CHUNKING
 from embedmesh.services.vector_store.store import MetadataStore
 
 DIM = 64
+TENANT = "t"
 N_FILES = 30
 PER_FILE = 100
 
@@ -56,8 +57,8 @@ class Fixture:
 
     async def add_file(self, store: MetadataStore, index: VectorIndex, store_id: str, name: str,
                        vectors: np.ndarray, attrs: dict[str, Any]) -> str:
-        f = store.create_file(name, "assistants", "text/plain", b"x")
-        _, pending, _ = store.add_store_file(store_id, f.id, AUTO_CHUNKING, attrs)
+        f = store.create_file(TENANT, name, "assistants", "text/plain", b"x")
+        _, pending, _ = store.add_store_file(TENANT, store_id, f.id, AUTO_CHUNKING, attrs)
         chunks = [Chunk(i, f"{name} chunk {i}", 1) for i in range(len(vectors))]
         ids = store.complete(pending, chunks, vectors)
         assert ids is not None
@@ -86,7 +87,7 @@ async def test_recall_vs_exact(backend: str, tmp_path: Path, pg_or_none: Any) ->
     store, index = await fx.open()
     rng = np.random.default_rng(0)
     centers = rng.standard_normal((20, DIM))
-    sid = store.create_store("r", None, {})
+    sid = store.create_store(TENANT, "r", None, {})
     group: dict[str, str] = {}
     for i in range(N_FILES):
         g = "rare" if i < 2 else ("half" if i % 2 else "other")
@@ -113,7 +114,7 @@ async def test_survives_restart(backend: str, tmp_path: Path, pg_or_none: Any) -
     store, index = await fx.open()
     rng = np.random.default_rng(1)
     centers = rng.standard_normal((5, DIM))
-    sid = store.create_store("p", None, {})
+    sid = store.create_store(TENANT, "p", None, {})
     first = await fx.add_file(store, index, sid, "a", clustered(200, rng, centers), {})
     queries = clustered(10, rng, centers)
     before = [[c for c, _ in await index.search(sid, q, 10, None, None)] for q in queries]

@@ -154,3 +154,47 @@ def test_not_configured() -> None:
         r = httpx.get(f"http://127.0.0.1:{gw.port}/v1/vector_stores")
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_implemented_error"
 
+
+
+async def test_tenants_over_rest(svc: Running) -> None:
+    """Through the gateway with two keys: B gets OpenAI's 404 for A's file, store and batch; lists are per tenant."""
+    from embedmesh.core import auth
+
+    before = auth.keyring()
+    auth.configure_keys(auth.keyring_from_values(api_keys="ka-12345678=a,kb-12345678=b"))
+    try:
+        with _Gateway(svc.server.address) as gw:
+            url = f"http://127.0.0.1:{gw.port}/v1"
+            a = openai.AsyncOpenAI(base_url=url, api_key="ka-12345678", max_retries=0)
+            b = openai.AsyncOpenAI(base_url=url, api_key="kb-12345678", max_retries=0)
+            fa = await a.files.create(file=("a.txt", b"apples of tenant a"), purpose="assistants")
+            vs = await a.vector_stores.create(name="a", file_ids=[fa.id])
+            batch = await a.vector_stores.file_batches.create(vector_store_id=vs.id, file_ids=[fa.id])
+            fb = await b.files.create(file=("b.txt", b"rockets of tenant b"), purpose="assistants")
+            vb = await b.vector_stores.create(name="b")
+            attempts = [
+                ("file_id", b.files.retrieve(fa.id)), ("file_id", b.files.content(fa.id)),
+                ("file_id", b.files.delete(fa.id)),
+                ("vector_store_id", b.vector_stores.retrieve(vs.id)),
+                ("vector_store_id", b.vector_stores.search(vs.id, query="apples")),
+                ("vector_store_id", b.vector_stores.update(vs.id, name="taken")),
+                ("vector_store_id", b.vector_stores.delete(vs.id)),
+                ("vector_store_id", b.vector_stores.files.create(vector_store_id=vs.id, file_id=fb.id)),
+                ("file_id", b.vector_stores.files.create(vector_store_id=vb.id, file_id=fa.id)),
+                ("vector_store_id", b.vector_stores.file_batches.retrieve(batch.id, vector_store_id=vs.id)),
+                ("batch_id", b.vector_stores.file_batches.retrieve(batch.id, vector_store_id=vb.id)),
+            ]
+            for param, call in attempts:
+                with pytest.raises(openai.NotFoundError) as e:
+                    await call
+                body: Any = e.value.body
+                assert body["param"] == param, body
+            assert [f.id async for f in b.files.list()] == [fb.id]
+            assert [v.id async for v in b.vector_stores.list()] == [vb.id]
+            assert [f.id async for f in a.files.list()] == [fa.id]
+            assert (await a.files.content(fa.id)).content == b"apples of tenant a"
+            assert (await _completed(a, vs.id)).name == "a"
+            await a.close()
+            await b.close()
+    finally:
+        auth.configure_keys(before)
