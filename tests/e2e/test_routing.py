@@ -1,6 +1,6 @@
 """KV-aware routing on a real mesh with two hf workers and the router: a repeated long prompt (text, and
-separately embeddings) lands on the worker that served it first, unrelated prompts spread out, and a killed
-worker gets no request afterwards."""
+separately embeddings) lands on the worker that served it first, unrelated prompts spread out, and a worker killed
+under load gets no request afterwards."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of
+from tests.support.load import Load, child_pid, metric, retryable, stats
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -100,15 +101,31 @@ def test_route_decision_is_visible_over_grpc(mesh2: Mesh) -> None:
 
 
 def test_killed_worker_gets_no_more_requests(mesh2: Mesh) -> None:
+    """Kill a worker that is serving load (not an idle one); once the router dropped it, every request goes to the
+    survivor: its completed count grows by exactly the requests sent, and the preprocessor makes no failed call and
+    no retry (nothing was sent to the dead worker)."""
     workers = wait_registered(mesh2, 2)
     victim = workers[0].registration.address
-    port = int(victim.rsplit(":", 1)[1])
-    pid = int(os.popen(f"ss -ltnp 'sport = :{port}' | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2").read().strip())
-    os.kill(pid, signal.SIGKILL)
-    wait_registered(mesh2, 1)
     survivor = next(w for w in mesh2.workers if w != victim)
+    pid = child_pid(mesh2, f"worker-{mesh2.workers.index(victim)}")
+    load = Load(mesh2.base_url, MODEL, clients=4, max_tokens=32)
+    try:
+        deadline = time.monotonic() + 300
+        while stats(victim).active_requests == 0:
+            assert time.monotonic() < deadline, "the load never reached the victim"
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        wait_registered(mesh2, 1)
+    finally:
+        outcomes = load.stop()
+    assert all(o.kind == "ok" or retryable(o) for o in outcomes)
+    failures = metric(mesh2, "embedmesh_worker_call_failures_total")
+    retries = metric(mesh2, "embedmesh_worker_retries_total")
+    before = completed(survivor)
     for i in range(4):
         r = httpx.post(f"{mesh2.base_url}/v1/completions", timeout=120,
                        json={"model": MODEL, "prompt": LONG + f"after the kill {i}", "max_tokens": 2})
         assert r.status_code == 200, r.text
-    assert completed(survivor) >= 4
+    assert completed(survivor) == before + 4
+    assert metric(mesh2, "embedmesh_worker_call_failures_total") == failures
+    assert metric(mesh2, "embedmesh_worker_retries_total") == retries

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -29,10 +31,12 @@ class Mesh:
     worker_ports: list[int]
     log_path: str
     extra: dict[str, object] = field(default_factory=dict)
+    scheme: str = "http"
+    """"https" when the gateway serves TLS (``gateway_tls=True``); its CA is ``extra["tls_dir"]/ca.pem``."""
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        return f"{self.scheme}://127.0.0.1:{self.gateway_port}"
 
     @property
     def preprocessor(self) -> str:
@@ -59,12 +63,18 @@ class Mesh:
 
 def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
-    env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None, extra_args: list[str] | None = None, tls: bool = False,
+    gateway_tls: bool = False,
 ) -> Mesh:
+    """Start the launcher and wait until the gateway's /health says every service serves. ``tls=True`` runs the
+    mesh with mutual TLS (the launcher's ``--tls``); the CA and certificates are in ``mesh.extra["tls_dir"]``
+    (``client.pem`` / ``client-key.pem`` hold a mesh client certificate). ``gateway_tls=True`` (with ``tls``)
+    serves the REST API over HTTPS too."""
     gw, pre, router, embed, vs = free_port(), free_port(), free_port(), free_port(), free_port()
     import tempfile
 
     vs_dir = tempfile.mkdtemp(prefix="embedmesh-vs-")
+    tls_dir = tempfile.mkdtemp(prefix="embedmesh-tls-") if tls or gateway_tls else ""
     first = free_port()
     ports = [first + i for i in range(workers)]
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
@@ -73,20 +83,25 @@ def start_mesh(
     cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
            "--metrics-port-base", str(metrics_base), "--router-port", str(router),
            "--embed-worker-port", str(embed), "--vector-store-port", str(vs), "--vector-store-data-dir", vs_dir,
+           *(["--tls", "--tls-dir", tls_dir] if tls_dir else []), *(["--gateway-tls"] if gateway_tls else []),
            *(extra_args or []),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})})
     mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base, "router": f"127.0.0.1:{router}",
                                                    "embed_worker": f"127.0.0.1:{embed}",
-                                                   "vector_store": f"127.0.0.1:{vs}"})
+                                                   "vector_store": f"127.0.0.1:{vs}", "tls_dir": tls_dir},
+                "https" if gateway_tls else "http")
+    ca = os.path.join(tls_dir, "ca.pem")
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mesh exited early ({proc.returncode}):\n{mesh.log_tail()}")
         try:
-            with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=2) as r:
-                if r.status == 200:
+            # The launcher writes the CA once it starts.
+            context = ssl.create_default_context(cafile=ca) if gateway_tls and os.path.exists(ca) else None
+            with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=2, context=context) as r:
+                if r.status == 200 and json.loads(r.read()).get("status") == "ok":  # every service serving
                     return mesh
         except Exception:  # noqa: BLE001 - not up yet
             pass

@@ -16,6 +16,7 @@ unexpected errors.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -122,17 +123,72 @@ def mesh_routes(gw: Gateway) -> list[Route]:
             for m in resp.models
         ]})
 
+    vs_health: list[health_pb2_grpc.HealthStub] = []
+
     async def health(request: Request) -> Response:
-        try:
-            r = await gw.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            return _json({"status": "unavailable", "detail": f"preprocessor unreachable ({e.code().name})"}, 503)
-        if r.status == health_pb2.HealthCheckResponse.SERVING:
-            return _json({"status": "ok"})
-        return _json({"status": "unavailable", "detail": "the preprocessor is not SERVING (starting, draining or "
-                                                         "waiting for workers)"}, 503)
+        """Every service of the mesh (gateway, preprocessor, workers, routers, vector store), each ``serving``,
+        ``degraded`` or ``down``; 200 while the inference path works (the preprocessor serves), else 503.
+        ``status`` is ``ok`` when everything serves, ``degraded`` when inference works with something missing."""
+        if gw.config.vector_store and not vs_health:
+            vs_health.append(health_pb2_grpc.HealthStub(forwarding_channel(gw.config.vector_store)))
+        services: list[dict[str, str]] = [{"service": "gateway", "name": "gateway", "status": "serving"}]
+        pre, mesh, vs = await asyncio.gather(_preprocessor_health(gw), _mesh_services(gw),
+                                             _vector_store_health(vs_health[0] if vs_health else None))
+        if pre["status"] == "serving" and mesh and mesh[0].get("service") == "preprocessor":
+            pre = mesh[0]  # the preprocessor's own view: degraded when a worker or router is missing
+        services.append(pre)
+        services.extend(s for s in mesh if s.get("service") != "preprocessor")
+        if vs is not None:
+            services.append(vs)
+        if pre["status"] == "down":
+            return _json({"status": "unavailable", "detail": pre.get("detail", ""), "services": services}, 503)
+        degraded = any(s["status"] != "serving" for s in services)
+        return _json({"status": "degraded" if degraded else "ok", "services": services})
 
     return [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+
+
+def _entry(service: str, status: str, detail: str = "", **more: str) -> dict[str, str]:
+    out = {"service": service, "name": more.pop("name", service), "status": status, **more}
+    if detail:
+        out["detail"] = detail
+    return out
+
+
+async def _preprocessor_health(gw: Gateway) -> dict[str, str]:
+    try:
+        r = await gw.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return _entry("preprocessor", "down", f"preprocessor unreachable ({e.code().name})")
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return _entry("preprocessor", "serving")
+    return _entry("preprocessor", "down", "the preprocessor is not SERVING (starting, draining or waiting for "
+                                          "workers)")
+
+
+async def _mesh_services(gw: Gateway) -> list[dict[str, str]]:
+    """What the preprocessor knows (itself, workers, routers); empty when it cannot say (unreachable, older)."""
+    try:
+        r = await gw.stub.GetMeshHealth(inference_pb2.GetMeshHealthRequest(), timeout=_HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return []
+    out = []
+    for s in r.services:
+        extra = {"model": s.model} if s.model else {}
+        out.append(_entry(s.service, s.status, s.detail, name=s.name, **extra))
+    return out
+
+
+async def _vector_store_health(stub: health_pb2_grpc.HealthStub | None) -> dict[str, str] | None:
+    if stub is None:
+        return None
+    try:
+        r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return _entry("vector-store", "down", f"vector store unreachable ({e.code().name})")
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return _entry("vector-store", "serving")
+    return _entry("vector-store", "down", "the vector store is not SERVING")
 
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -9,10 +9,14 @@ NOT_FOUND → 404, ALREADY_EXISTS → 409, RESOURCE_EXHAUSTED → 429, UNIMPLEME
 UNAVAILABLE / DEADLINE_EXCEEDED → 503, CANCELLED → 499, anything else → 500 ``server_error`` whose message says
 nothing about internals. ``param`` is the field named in the status details (``ErrorInfo.metadata["field"]``),
 ``code`` the ``ErrorInfo.reason`` lowercased (the status code's name when the status has no details).
+
+Retryable refusals carry ``Retry-After`` (whole seconds, at least 1): every 429 and 503, from the status's
+``retry_after_seconds`` when the service sent one, else 1 s.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -21,7 +25,10 @@ from starlette.responses import Response
 
 from embedmesh.core.errors import from_rpc_error
 
-__all__ = ["ApiError", "bad_request", "error_response", "from_grpc"]
+__all__ = ["ApiError", "bad_request", "error_response", "from_grpc", "RETRYABLE"]
+
+RETRYABLE = (429, 503)
+"""Statuses answered with a ``Retry-After`` header."""
 
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -46,16 +53,25 @@ class ApiError(Exception):
     """A request the gateway answers with an OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after = retry_after
+        """Seconds the client should wait before retrying (429/503; None = the default of 1 s)."""
 
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` for retryable statuses (whole seconds, rounded up, at least 1)."""
+        if self.status not in RETRYABLE:
+            return {}
+        wait = self.retry_after if self.retry_after is not None and math.isfinite(self.retry_after) else 1.0
+        return {"retry-after": str(max(1, math.ceil(wait)))}
 
 
 def bad_request(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -83,8 +99,10 @@ def from_grpc(e: grpc.RpcError) -> ApiError:
         message = ("the inference service did not answer in time" if code == grpc.StatusCode.DEADLINE_EXCEEDED
                    else "the inference service is unavailable; retry later")
     reason = err.reason if detailed and err.reason else code.name
-    return ApiError(status, message, param=err.field, code=reason.lower(), type_=kind)
+    return ApiError(status, message, param=err.field, code=reason.lower(), type_=kind,
+                    retry_after=err.retry_after_seconds)
 
 
 def error_response(err: ApiError) -> Response:
-    return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json")
+    return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers())

@@ -1,18 +1,24 @@
 """Gateway bootstrap: config, JSON logs, tracing, uvicorn.
 
-    python -m embedmesh.gateway.main [--host H] [--port P] [--preprocessor HOST:PORT] ...
+    python -m embedmesh.gateway.main [--host H] [--port P] [--preprocessor HOST:PORT] [--drain-seconds S]
+                                     [--https-cert PEM --https-key PEM] ...
 
 Prints ``gateway listening on http://HOST:PORT`` once the socket is bound (the real port when ``--port 0``).
-SIGTERM/SIGINT stop it cleanly: uvicorn stops accepting, lets open responses finish for a few seconds (cancelling
-what is left, which cancels the gRPC calls), then the app's shutdown closes the channel.
+SIGTERM/SIGINT drain it: uvicorn stops accepting connections at once, closes idle keep-alive ones, and lets open
+responses (SSE streams included) finish for up to ``--drain-seconds`` (EMBEDMESH_DRAIN_GRACE_SECONDS, default 30);
+only then is what is left cancelled (which cancels its gRPC calls) and the app's shutdown closes the channel.
+A second signal stops waiting. With ``--https-cert``/``--https-key`` (EMBEDMESH_GATEWAY_HTTPS_CERT/KEY) the REST
+API is served over HTTPS.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -24,7 +30,7 @@ from embedmesh.gateway.config import GatewayConfig
 
 log = get_logger("embedmesh.gateway")
 
-_GRACE_S = 5
+DEFAULT_DRAIN_SECONDS = 30.0
 
 
 class _Server(uvicorn.Server):
@@ -57,11 +63,16 @@ def _bound_port(server: uvicorn.Server, default: int) -> int:
     return default
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run until SIGTERM/SIGINT (uvicorn installs the handlers)."""
+async def serve(config: GatewayConfig, drain_seconds: float = DEFAULT_DRAIN_SECONDS, https_cert: str = "",
+                https_key: str = "") -> None:
+    """Run until SIGTERM/SIGINT, then drain for up to ``drain_seconds``."""
     app = create_app(config)
+    # uvicorn's graceful shutdown takes whole seconds; round up so a fractional drain is never cut short.
+    grace = max(0, int(-(-drain_seconds // 1)))
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                                           access_log=False, timeout_graceful_shutdown=_GRACE_S, lifespan="on"))
+                                    access_log=False, timeout_graceful_shutdown=grace, lifespan="on",
+                                    ssl_certfile=https_cert or None, ssl_keyfile=https_key or None))
+    scheme = "https" if https_cert else "http"
 
     async def announce() -> None:
         while not server.started and not server.should_exit:
@@ -69,17 +80,37 @@ async def serve(config: GatewayConfig) -> None:
         if server.started:
             port = _bound_port(server, config.port)
             log.info("listening", extra={"host": config.host, "port": port, "preprocessor": config.preprocessor})
-            print(f"gateway listening on http://{config.host}:{port}", flush=True)
+            print(f"gateway listening on {scheme}://{config.host}:{port}", flush=True)
 
     await asyncio.gather(server.serve(), announce())
 
 
+def _process_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``--drain-seconds`` (over EMBEDMESH_DRAIN_GRACE_SECONDS, over 30 s), ``--https-cert``/``--https-key``, and
+    the other arguments (for ``GatewayConfig``)."""
+    env = os.environ
+    p = argparse.ArgumentParser(prog="python -m embedmesh.gateway.main", add_help=False)
+    p.add_argument("--drain-seconds", type=float,
+                   default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", DEFAULT_DRAIN_SECONDS)))
+    p.add_argument("--https-cert", default=env.get("EMBEDMESH_GATEWAY_HTTPS_CERT", ""))
+    p.add_argument("--https-key", default=env.get("EMBEDMESH_GATEWAY_HTTPS_KEY", ""))
+    known, rest = p.parse_known_args(list(argv))
+    if not known.drain_seconds >= 0:
+        p.error("--drain-seconds must be >= 0")
+    if bool(known.https_cert) != bool(known.https_key):
+        p.error("--https-cert and --https-key go together")
+    return known, rest
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = GatewayConfig.from_args(configure_from_argv(argv, prog="python -m embedmesh.gateway.main"))
+    rest = configure_from_argv(argv, prog="python -m embedmesh.gateway.main")
+    known, rest = _process_args(rest)
+    config = GatewayConfig.from_args(rest)
     setup_logging("gateway")
     setup_tracing("gateway")
-    log.info("config", extra={"config": config.describe()})
-    asyncio.run(serve(config))
+    log.info("config", extra={"config": config.describe(), "drain_seconds": known.drain_seconds,
+                              "https": bool(known.https_cert)})
+    asyncio.run(serve(config, known.drain_seconds, known.https_cert, known.https_key))
     log.info("stopped")
 
 

@@ -41,6 +41,12 @@ class PreprocessorConfig:
     """KV router addresses; empty = round robin over the workers."""
     block_size: int = 16
     """Positions per block for routing hashes (must match the workers')."""
+    max_inflight: int = 256
+    """Requests (completions, chats, embeddings) served at once; past it a new one is refused at once with
+    UNAVAILABLE ``OVERLOADED`` and a retry delay (EMBEDMESH_PREPROCESSOR_MAX_INFLIGHT)."""
+    drain_seconds: float = 30.0
+    """On SIGTERM: how long in-flight calls may finish before the worker channels close
+    (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -57,6 +63,10 @@ class PreprocessorConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_n < 1 or self.max_prompts < 1:
             raise ValueError("max_n and max_prompts must be >= 1")
+        if self.max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        if not self.drain_seconds >= 0:
+            raise ValueError("drain_seconds must be >= 0")
 
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> PreprocessorConfig:
@@ -78,12 +88,19 @@ class PreprocessorConfig:
         p.add_argument("--upload-ttl", type=int, default=int(env.get("EMBEDMESH_UPLOAD_TTL_SECONDS", 3600)))
         p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
         p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
+        p.add_argument("--max-inflight", type=int,
+                       default=int(env.get("EMBEDMESH_PREPROCESSOR_MAX_INFLIGHT", cls.max_inflight)),
+                       help="requests served at once; more are refused with a retry delay")
+        p.add_argument("--drain-seconds", type=float,
+                       default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", cls.drain_seconds)),
+                       help="on SIGTERM, how long in-flight calls may finish")
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
         return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
                    metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes, redis_url=a.redis_url,
                    upload_ttl_seconds=a.upload_ttl,
-                   routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size)
+                   routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
+                   max_inflight=a.max_inflight, drain_seconds=a.drain_seconds)
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

@@ -205,7 +205,14 @@ async def _call(pool: WorkerPool, model: str, inputs: Sequence[Input], chunk: li
     try:
         resp = await worker.stub.Embed(req, timeout=timeout)
     except grpc.aio.AioRpcError as e:
-        raise _renamed(from_rpc_error(e), chunk, n_inputs) from None
+        err = from_rpc_error(e)
+        if e.code() == grpc.StatusCode.UNAVAILABLE and not err.reason:
+            # gRPC's own text names the worker's address: the client gets a plain retryable error instead.
+            if hasattr(pool, "mark_lost"):
+                pool.mark_lost(worker)
+            err = Unavailable("the embedding worker could not be reached; retry shortly", reason="WORKER_LOST",
+                              retry_after_seconds=1.0)
+        raise _renamed(err, chunk, n_inputs) from None
     finally:
         worker.inflight -= 1
     vectors, _ = tensors.to_numpy(resp.embeddings, field="embeddings")

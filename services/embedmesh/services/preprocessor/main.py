@@ -57,11 +57,12 @@ async def serve(config: PreprocessorConfig) -> None:
                                     default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
                                                   max_message_bytes=config.max_message_bytes,
-                                                  metrics_port=config.metrics_port, public=True))
+                                                  metrics_port=config.metrics_port, public=True,
+                                                  grace_seconds=config.drain_seconds))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
                InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME,
-               access=Access.PUBLIC)
+               access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN})
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
                EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE,

@@ -3,6 +3,11 @@ deltas tagged by choice index, and account usage. Cancelling the consumer cancel
 
 Choice i of prompt p has index ``p * n + i``; with a seed, choice i samples with ``seed + i`` (wrapped into int64,
 ``sampling.choice_seed``) so choices differ while the same request repeated gives the same text.
+
+Worker failures: a sequence whose worker cannot be reached, refuses it (busy, draining) or aborts it before any
+output is retried once on another healthy worker; a worker lost at the transport is marked unhealthy at once
+(``WorkerPool.mark_lost``). A worker lost mid-stream ends the request with UNAVAILABLE ``WORKER_LOST`` and a retry
+delay. Messages sent to clients never name a worker's address (the log does).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ TTFT = Histogram("embedmesh_time_to_first_token_seconds", "Request start to the 
 PROMPT_TOKENS = Counter("embedmesh_prompt_tokens_total", "Prompt positions (text tokens + embedding rows)",
                         ["model", "kind"])
 GENERATED_TOKENS = Counter("embedmesh_generated_tokens_total", "Tokens generated, per model", ["model"])
+WORKER_RETRIES = Counter("embedmesh_worker_retries_total", "Sequences sent to a second worker because the first "
+                         "failed, refused or aborted them before any output", ["reason"])
+WORKER_FAILURES = Counter("embedmesh_worker_call_failures_total", "Calls to workers that failed, by gRPC code",
+                          ["code"])
 REQUEST_TOKENS_PER_SECOND = Histogram("embedmesh_request_tokens_per_second", "Decode speed seen by one request",
                                       ["model"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
 
@@ -145,10 +154,24 @@ def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: li
         if router is not None:
             decision = await router.route(model, hashes, prompt_len, request_id)
             if decision is not None:
-                return pool.handle_for(decision.address)
+                handle = pool.handle_for(decision.address)
+                if handle.healthy:
+                    return handle
+                # The router has not seen it leave yet (draining or just lost): our own view wins.
+                log.info("routed worker is not healthy; picking another",
+                         extra={"worker": decision.address, "request_id": request_id})
         return pool.pick(model)
 
     return pick
+
+
+def _transport_failure(e: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE made by gRPC itself (connection refused or reset: the worker is gone), not by the worker."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = e.trailing_metadata() or ()
+    return not any((item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin"
+                   for item in trailing)
 
 
 async def _one(
@@ -159,34 +182,56 @@ async def _one(
     pool: WorkerPool | None = None,
     model: str = "",
 ) -> None:
-    """Stream one sequence from a worker into ``out``. A worker found dead before it produced anything (it died
-    after the router chose it) is marked unhealthy and the sequence is retried once on another worker."""
+    """Stream one sequence from a worker into ``out``. A worker that fails, refuses or aborts the sequence before
+    it produced anything is retried once on another worker (see the module docstring)."""
+    failed: WorkerHandle | None = None
     for attempt in range(2):
         worker = None
         call = None
         sent = False
         try:
-            worker = await pick() if attempt == 0 or pool is None else pool.pick(model)
+            worker = await pick() if attempt == 0 or pool is None else pool.pick(model, exclude=failed)
             worker.inflight += 1
             call = worker.stub.Generate(req)
             async for resp in call:
                 if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                    raise Unavailable(f"worker {worker.address} aborted the sequence; retry",
-                                      reason="WORKER_ABORTED")
+                    log.warning("worker aborted a sequence", extra={"worker": worker.address,
+                                                                    "request_id": req.request_id, "sent": sent})
+                    if not sent and attempt == 0 and pool is not None:
+                        failed = worker
+                        WORKER_RETRIES.labels("aborted").inc()
+                        break
+                    raise Unavailable("the worker stopped this generation (it is shutting down); retry",
+                                      reason="WORKER_ABORTED", retry_after_seconds=1.0)
                 sent = True
                 out.put_nowait((index, resp))
-            return
+            else:
+                return
+            continue  # aborted before any output: the retry
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                if worker is not None:
-                    worker.healthy = False
-                if not sent and attempt == 0 and pool is not None:
-                    log.warning("worker unavailable; retrying on another", extra={"worker": worker and worker.address})
-                    continue
-                out.put_nowait(Unavailable(f"worker {worker.address if worker else '?'} is unavailable: "
-                                           f"{e.details()}", reason="WORKER_UNAVAILABLE"))
+            code = e.code()
+            lost = _transport_failure(e)
+            WORKER_FAILURES.labels(code.name).inc()
+            if lost and worker is not None and pool is not None:
+                pool.mark_lost(worker)
+            retryable = code == grpc.StatusCode.UNAVAILABLE or (
+                code == grpc.StatusCode.RESOURCE_EXHAUSTED and from_rpc_error(e).reason == "WORKER_BUSY")
+            log.warning("worker call failed", extra={
+                "worker": worker.address if worker else "", "request_id": req.request_id, "code": code.name,
+                "details": e.details(), "sent": sent, "attempt": attempt})
+            if retryable and not sent and attempt == 0 and pool is not None:
+                failed = worker
+                WORKER_RETRIES.labels("lost" if lost else code.name.lower()).inc()
+                continue
+            if lost:
+                what = "was lost mid-generation" if sent else "could not be reached"
+                out.put_nowait(Unavailable(f"the worker serving this request {what}; retry the request",
+                                           reason="WORKER_LOST", retry_after_seconds=1.0))
+            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                out.put_nowait(Unavailable("every worker for this model is at capacity; retry shortly",
+                                           reason="WORKERS_BUSY", retry_after_seconds=1.0))
             else:
                 out.put_nowait(from_rpc_error(e))
             return

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import Counter, Gauge
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.auth import current_principal, limiter
-from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.server import mesh_channel
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
@@ -27,7 +31,35 @@ from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import RouteClient
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["InferenceServicer"]
+__all__ = ["InferenceServicer", "Admission"]
+
+INFLIGHT = Gauge("embedmesh_preprocessor_inflight_requests", "Requests the preprocessor is serving now")
+REJECTED = Counter("embedmesh_preprocessor_rejected_total", "Requests refused at once because the preprocessor "
+                   "was at --max-inflight", ["rpc"])
+_ROUTER_HEALTH_TIMEOUT_S = 1.0
+
+
+class Admission:
+    """At most ``limit`` requests in flight; one more is refused at once (UNAVAILABLE ``OVERLOADED`` with a retry
+    delay, a 503 + Retry-After at the gateway) instead of queueing behind the others without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.inflight = 0
+
+    @contextlib.contextmanager
+    def slot(self, rpc: str) -> Iterator[None]:
+        if self.inflight >= self.limit:
+            REJECTED.labels(rpc).inc()
+            raise Unavailable(f"the mesh is at capacity ({self.limit} requests in flight); retry shortly",
+                              reason="OVERLOADED", retry_after_seconds=1.0)
+        self.inflight += 1
+        INFLIGHT.inc()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            INFLIGHT.dec()
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -41,6 +73,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.tokenizer = tokenizer
         self.template = template
         self.config = config
+        self.admission = Admission(config.max_inflight)
+        self._router_health: list[health_pb2_grpc.HealthStub] = []
 
     def _model(self, model: str, task: int) -> worker_pb2.GetInfoResponse:
         if not model:
@@ -116,24 +150,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def StreamComplete(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.StreamCompleteRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        async for item in self._stream(await self._job(request.params), inference_pb2.StreamCompleteResponse):
-            yield item
+        with self.admission.slot("StreamComplete"):
+            async for item in self._stream(await self._job(request.params), inference_pb2.StreamCompleteResponse):
+                yield item
 
     async def StreamChat(  # noqa: N802
         self, request: inference_pb2.StreamChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        async for item in self._stream(await self._chat_job(request.params), inference_pb2.StreamChatResponse):
-            yield item
+        with self.admission.slot("StreamChat"):
+            async for item in self._stream(await self._chat_job(request.params), inference_pb2.StreamChatResponse):
+                yield item
 
     async def Complete(  # noqa: N802
         self, request: inference_pb2.CompleteRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
-        return await self._collect(await self._job(request.params), inference_pb2.CompleteResponse)
+        with self.admission.slot("Complete"):
+            return await self._collect(await self._job(request.params), inference_pb2.CompleteResponse)
 
     async def Chat(  # noqa: N802
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ChatResponse:
-        return await self._collect(await self._chat_job(request.params), inference_pb2.ChatResponse)
+        with self.admission.slot("Chat"):
+            return await self._collect(await self._chat_job(request.params), inference_pb2.ChatResponse)
 
     async def _collect(self, job: Job, cls: Any) -> Any:
         count = len(job.prompts) * job.n
@@ -168,7 +206,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             i.text if i.WhichOneof("kind") == "text" else list(i.token_ids.ids) for i in request.inputs
         ]
         dimensions = request.dimensions if request.HasField("dimensions") else None
-        vectors, tokens = await embed_inputs(self.pool, self.cache, request.model, inputs, dimensions)
+        with self.admission.slot("Embed"):
+            vectors, tokens = await embed_inputs(self.pool, self.cache, request.model, inputs, dimensions)
         return inference_pb2.EmbedResponse(
             model=request.model, embeddings=tensors.from_numpy(vectors),
             usage=common_pb2.Usage(prompt_tokens=tokens, total_tokens=tokens),
@@ -195,6 +234,47 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 )
             )
         return inference_pb2.ListModelsResponse(models=out)
+
+    async def GetMeshHealth(  # noqa: N802
+        self, request: inference_pb2.GetMeshHealthRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetMeshHealthResponse:
+        workers: list[inference_pb2.ServiceHealth] = []
+        generating = 0
+        for i, w in enumerate(self.pool.workers):
+            embed = w.info is not None and w.info.task == worker_pb2.MODEL_TASK_EMBED
+            if w.healthy and not embed:
+                generating += 1
+            detail = "" if w.healthy else ("not serving (draining, stopped or failed)" if w.seen_serving
+                                           else "not serving yet (starting) or unreachable")
+            workers.append(inference_pb2.ServiceHealth(
+                service="embedding-worker" if embed else "worker", name=w.name or f"worker-{i}",
+                status="serving" if w.healthy else "down", model=w.info.model if w.info else "", detail=detail))
+        routers = await self._routers_health()
+        if not any(w.healthy for w in self.pool.workers):
+            own, detail = "down", "no worker is serving"
+        elif generating == 0:
+            own, detail = "degraded", "no generation worker is serving (embeddings only)"
+        elif any(s.status != "serving" for s in [*workers, *routers]):
+            own, detail = "degraded", "some workers or routers are not serving"
+        else:
+            own, detail = "serving", ""
+        me = inference_pb2.ServiceHealth(service="preprocessor", name="preprocessor", status=own, detail=detail)
+        return inference_pb2.GetMeshHealthResponse(services=[me, *workers, *routers])
+
+    async def _routers_health(self) -> list[inference_pb2.ServiceHealth]:
+        if not self._router_health:
+            self._router_health = [health_pb2_grpc.HealthStub(mesh_channel(a)) for a in self.config.routers]
+
+        async def one(i: int, stub: health_pb2_grpc.HealthStub) -> inference_pb2.ServiceHealth:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=_ROUTER_HEALTH_TIMEOUT_S)
+                ok, detail = r.status == health_pb2.HealthCheckResponse.SERVING, "not serving"
+            except grpc.aio.AioRpcError as e:
+                ok, detail = False, f"unreachable ({e.code().name}); requests are routed round robin"
+            return inference_pb2.ServiceHealth(service="router", name=f"router-{i}",
+                                               status="serving" if ok else "down", detail="" if ok else detail)
+
+        return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(self._router_health))))
 
 
 def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:

@@ -1,5 +1,10 @@
 """The preprocessor's view of its workers: health watched continuously, model info fetched once serving,
-round-robin choice among the healthy ones for a model (the KV router replaces the choice when configured)."""
+round-robin choice among the healthy ones for a model (the KV router replaces the choice when configured).
+
+A worker leaves the choice at once when it reports NOT_SERVING (it is draining: its in-flight streams finish, no
+new one starts) or when a call to it fails at the transport (``mark_lost``: it died); it comes back when it reports
+SERVING again. Once a worker that served reports NOT_SERVING, its health stream is closed and re-opened with backoff,
+so the pool holds no call open on a draining worker (its drain ends when its own streams do)."""
 
 from __future__ import annotations
 
@@ -32,7 +37,10 @@ class WorkerHandle:
     healthy: bool = False
     seen_serving: bool = False
     inflight: int = 0
+    name: str = ""
+    """The worker's id once known (GetInfo), for logs and /health; never its address in client-facing text."""
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _recheck: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class WorkerPool:
@@ -73,8 +81,9 @@ class WorkerPool:
 
     async def close(self) -> None:
         for w in self.workers:
-            if w._task:
-                w._task.cancel()
+            for t in (w._task, w._recheck):
+                if t is not None:
+                    t.cancel()
         for w in self.workers:
             await w.channel.close()
 
@@ -84,15 +93,39 @@ class WorkerPool:
         w.healthy = healthy
         self.changed.set()
 
+    def mark_lost(self, w: WorkerHandle) -> None:
+        """A call to ``w`` failed at the transport: no request goes to it from now on. A probe brings it back as
+        soon as it answers SERVING again (so one failed call cannot exclude a live worker for good)."""
+        if w.healthy:
+            log.warning("worker lost", extra={"worker": w.address, "worker_id": w.name})
+        self._set(w, False)
+        if w._recheck is None or w._recheck.done():
+            w._recheck = asyncio.get_running_loop().create_task(self._probe(w), name=f"probe-{w.address}")
+
+    async def _probe(self, w: WorkerHandle) -> None:
+        health = health_pb2_grpc.HealthStub(w.channel)
+        delay = 0.5
+        while not w.healthy:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+            try:
+                r = await health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=1)
+            except grpc.aio.AioRpcError:
+                continue
+            if r.status == health_pb2.HealthCheckResponse.SERVING and w.info is not None:
+                self._set(w, True)
+
     async def _watch(self, w: WorkerHandle) -> None:
         health = health_pb2_grpc.HealthStub(w.channel)
         backoff = 0.2
         while True:
             try:
-                async for resp in health.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE)):
+                call = health.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
+                async for resp in call:
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                     if serving and w.info is None:
                         w.info = await w.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+                        w.name = w.info.worker_id
                         import time
 
                         self.created.setdefault(w.info.model, int(time.time()))
@@ -100,6 +133,11 @@ class WorkerPool:
                         w.seen_serving = True
                     self._set(w, serving)
                     backoff = 0.2
+                    if not serving and w.seen_serving:
+                        # Draining (or stopped by its watchdog): let go of the stream so it does not hold the
+                        # worker's drain open; poll again with backoff until it serves or is gone.
+                        call.cancel()
+                        break
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError:
@@ -129,12 +167,12 @@ class WorkerPool:
         assert info is not None
         return info
 
-    def pick(self, model: str) -> WorkerHandle:
-        """Round robin over healthy workers of ``model``, least in-flight first among equals."""
-        group = [w for w in self.models().get(model, []) if w.healthy]
+    def pick(self, model: str, exclude: WorkerHandle | None = None) -> WorkerHandle:
+        """Round robin over healthy workers of ``model`` (other than ``exclude``)."""
+        group = [w for w in self.models().get(model, []) if w.healthy and w is not exclude]
         if not group:
             raise Unavailable(f"no healthy worker serves model {model!r}; retry shortly", field="model",
-                              reason="NO_HEALTHY_WORKER")
+                              reason="NO_HEALTHY_WORKER", retry_after_seconds=1.0)
         start = next(self._rr)
         return group[start % len(group)]
 

@@ -26,8 +26,15 @@ class WorkerConfig:
     """gRPC port (0 = any free port)."""
     max_batch_size: int = 8
     """Most sequences decoded together (hf)."""
+    max_queue: int = 64
+    """Sequences allowed to wait beyond a full batch; past them Generate is refused at once (RESOURCE_EXHAUSTED,
+    WORKER_BUSY, with a retry delay) instead of queueing without bound."""
     threads: int = 2
     """torch threads (hf)."""
+    watchdog_seconds: float = 120.0
+    """An engine with work queued and no progress for this long makes the worker report NOT_SERVING, fail its
+    queued requests (UNAVAILABLE, retryable) and exit for its supervisor to restart it; 0 = no stall check (an
+    engine whose thread died is acted on regardless)."""
     dtype: str = "float32"
     """Compute dtype for hf: float32, bfloat16 or float16."""
     hidden_size: int = 576
@@ -75,8 +82,12 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if not self.watchdog_seconds >= 0:  # also refuses NaN
+            raise ValueError(f"watchdog_seconds must be >= 0 (0 = off), got {self.watchdog_seconds}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.vllm_block_size < 0 or self.kv_cache_memory_bytes < 0:
@@ -99,7 +110,13 @@ class WorkerConfig:
         p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_WORKER_PORT", cls.port)))
         p.add_argument("--max-batch-size", type=int,
                        default=int(env.get("EMBEDMESH_WORKER_MAX_BATCH_SIZE", cls.max_batch_size)))
+        p.add_argument("--max-queue", type=int, default=int(env.get("EMBEDMESH_WORKER_MAX_QUEUE", cls.max_queue)),
+                       help="sequences that may wait beyond a full batch before Generate is refused")
         p.add_argument("--threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", cls.threads)))
+        p.add_argument("--watchdog-seconds", type=float,
+                       default=float(env.get("EMBEDMESH_WORKER_WATCHDOG_SECONDS", cls.watchdog_seconds)),
+                       help="exit (for the supervisor to restart) when the engine makes no progress this long with "
+                            "work queued; 0 = off")
         p.add_argument("--dtype", default=env.get("EMBEDMESH_WORKER_DTYPE", cls.dtype))
         p.add_argument("--hidden-size", type=int, default=cls.hidden_size)
         p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_WORKER_METRICS_PORT", 0)))

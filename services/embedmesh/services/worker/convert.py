@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
@@ -17,6 +15,7 @@ from embedmesh.services.worker.engines.base import (
     Segment,
     TokenSegment,
 )
+from embedmesh.services.worker.validate import check_generation, check_task, embeds_from_wire
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["request_from_proto", "delta_to_proto", "info_to_proto", "FINISH_TO_PROTO"]
@@ -28,20 +27,28 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
 
-def request_from_proto(req: worker_pb2.GenerateRequest) -> GenerationRequest:
+def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> GenerationRequest:
+    """Convert and check a GenerateRequest against the served model (``validate``): every engine gets only
+    requests that keep the rules it relies on, whoever sent them."""
+    if not req.request_id:
+        raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
+    check_task(info)
+    sampling = sampling_from_proto(req.sampling)
     segments: list[Segment] = []
     for i, seg in enumerate(req.segments):
         kind = seg.WhichOneof("kind")
         if kind == "token_ids":
             segments.append(TokenSegment(tuple(seg.token_ids.ids)))
         elif kind == "embeds":
-            arr, _ = tensors.to_numpy(seg.embeds, field=f"segments[{i}].embeds")
-            segments.append(EmbedsSegment(np.asarray(arr)))
+            arr, dtype = tensors.to_numpy(seg.embeds, field=f"segments[{i}].embeds")
+            # Cast to the model dtype here (a copy only when the wire dtype differs), scanned for NaN/Inf once.
+            rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens)
+            segments.append(EmbedsSegment(rows))
         else:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")
-    if not req.request_id:
-        raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
-    return GenerationRequest(req.request_id, segments, sampling_from_proto(req.sampling), req.lora_adapter)
+    request = GenerationRequest(req.request_id, segments, sampling, req.lora_adapter)
+    check_generation(request, info)
+    return request
 
 
 def delta_to_proto(d: GenerationDelta, prompt_tokens: int) -> worker_pb2.GenerateResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.metrics import register_engine_metrics
 from embedmesh.services.worker.servicer import WorkerServicer
+from embedmesh.services.worker.watchdog import Watchdog
 from embedmesh.worker.v1 import worker_pb2_grpc
 
 if TYPE_CHECKING:
@@ -75,7 +77,8 @@ async def serve(config: WorkerConfig) -> None:
     engine = build_engine(config)
     server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     lora_root = Path(config.lora_root) if config.lora_root else None
-    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id, lora_root),
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id, lora_root,
+                                                                                 max_queue=config.max_queue),
                SERVICE_NAME)
     server.on_drain(engine.shutdown)
     register_engine_metrics(engine, worker_id)
@@ -88,6 +91,11 @@ async def serve(config: WorkerConfig) -> None:
     server.install_signal_handlers()
     print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
     await engine.start()
+    watchdog = Watchdog(engine, config.watchdog_seconds, set_not_serving=lambda: server.set_serving(False),
+                        exit=os._exit)
+    watchdog.start()
+    # A drain shuts the engine on purpose: stop watching before that.
+    server.on_drain_start(watchdog.stop)
     await server.set_serving(True)
     info = engine.info()
     log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
@@ -110,7 +118,9 @@ async def serve(config: WorkerConfig) -> None:
             if config.kv_events_log:
                 vllm.on_kv_events(_events_log(config.kv_events_log))
         link.start()
-        server.on_drain(link.close)
+        watchdog.add_on_trip(link.close)
+        # Leave the routers as soon as a drain starts: no new work arrives while in-flight streams finish.
+        server.on_drain_start(link.close)
     await server.wait_for_termination()
 
 

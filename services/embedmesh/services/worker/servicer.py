@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from embedmesh.core import tensors
-from embedmesh.core.errors import FailedPrecondition, InvalidArgument
+from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine
@@ -22,8 +22,10 @@ log = get_logger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, worker_id: str, lora_root: Path | None = None) -> None:
+    def __init__(self, engine: Engine, worker_id: str, lora_root: Path | None = None, max_queue: int = 64) -> None:
         self.engine = engine
+        self.max_queue = max_queue
+        """Sequences that may wait beyond a full batch; past them Generate is refused at once."""
         self.worker_id = worker_id
         self.lora_root = lora_root or default_lora_root()
         """LoRA adapters load only from folders under this one."""
@@ -31,7 +33,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        req = request_from_proto(request)
+        # Every engine relies on these checks (sampling ranges, finite rows, shapes, token ids, context), whoever
+        # sent the request: they run here, once, for all engines.
+        req = request_from_proto(request, await self.engine.ready_info())
+        self._admit()
         prompt_len = req.prompt_len
         stream = self.engine.generate(req)
         try:
@@ -40,6 +45,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             # Cancellation (caller gone) lands here; closing the engine's stream aborts the sequence.
             await stream.aclose()  # type: ignore[attr-defined]
+
+    def _admit(self) -> None:
+        """Refuse a sequence at once when a full batch is running and ``max_queue`` more already wait."""
+        limit = self.engine.info().max_batch_size + self.max_queue
+        if self.engine.stats().active_requests >= limit:
+            raise ResourceExhausted(f"the worker is at capacity ({limit} sequences running or queued); retry shortly",
+                                    reason="WORKER_BUSY", retry_after_seconds=1.0)
 
     async def Abort(  # noqa: N802
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext

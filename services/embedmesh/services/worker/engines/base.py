@@ -26,6 +26,7 @@ __all__ = [
     "GenerationDelta",
     "ModelInfo",
     "EngineStats",
+    "EngineProgress",
     "Engine",
 ]
 
@@ -113,6 +114,18 @@ class EngineStats:
     max_batch_seen: int = 0
 
 
+@dataclass(frozen=True)
+class EngineProgress:
+    """What the worker's watchdog reads (``Engine.progress``) to tell a busy engine from a stuck one."""
+
+    steps: int
+    """Monotonic count of units of work done (model forward passes, layers): any increase is progress."""
+    busy: bool
+    """Work is queued or running; an engine only counts as stalled while this is true."""
+    failed: str | None = None
+    """Why the engine can serve no more (its thread died), or None while it can."""
+
+
 class Engine(ABC):
     """An inference engine behind a worker."""
 
@@ -123,6 +136,12 @@ class Engine(ABC):
     @abstractmethod
     def info(self) -> ModelInfo:
         """Model description; valid after ``start``."""
+
+    async def ready_info(self) -> ModelInfo:
+        """``info()`` once the engine can take requests. The default answers at once (``info()`` raises
+        Unavailable while loading); an engine that lets early requests wait for its model (vllm) waits here, so
+        the worker can check a request against the model without refusing it during the load."""
+        return self.info()
 
     @abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
@@ -141,6 +160,20 @@ class Engine(ABC):
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Release the engine."""
+
+    # --- watchdog (optional; the default leaves the engine unwatched) --------------------------------------
+    def progress(self) -> EngineProgress | None:
+        """Progress for the worker's watchdog, or None (this default): the engine is not watched.
+
+        An engine that answers must also implement ``fail_all``. Engines whose work runs on the event loop itself
+        (echo) or in a process the engine library supervises (vllm, sglang) keep the default.
+        """
+        return None
+
+    def fail_all(self, error: Exception) -> int:
+        """Fail every queued and running request with ``error`` and refuse new ones from now on; return how many
+        were failed. The watchdog calls it (from the event loop) before the worker exits."""
+        return 0
 
     # --- admin (optional; engines without them answer FAILED_PRECONDITION through the servicer) -------------
     async def load_lora(self, name: str, path: str) -> bool:

@@ -12,11 +12,21 @@ Batch invariants (kept by ``_merge`` and ``_drop``):
 - ``cache`` layers hold (B, heads, T, head_dim); row i of every layer, ``mask[i]`` and ``rows[i]`` are one sequence.
 - ``mask[i, t] == 1`` where position t holds a real token of row i; padding is on the left.
 - Every row has exactly one sampled token not yet fed to the model (``rows[i].pending``).
+
+Failure is contained (the engine thread must outlive any request):
+- sampling is computed in float32 on max-shifted logits, temperatures below ``GREEDY_BELOW`` are greedy, and a
+  distribution that still is not finite falls back to greedy: no temperature or top_p yields NaN probabilities;
+- a row whose logits are NaN, +Inf or all -Inf fails alone (NON_FINITE_COMPUTATION); rows never mix in a forward
+  pass, so the rest of the batch goes on;
+- an exception in a prefill fails only the sequences being prefilled; one in a decode step fails the batch it ran
+  and resets the cache; the thread goes on. Only what escapes that (BaseException) stops it, and then every
+  waiting and later request fails at once (ENGINE_FAILED) while the worker's watchdog restarts the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -27,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     Engine,
+    EngineProgress,
     EngineStats,
     FinishReason,
     GenerationDelta,
@@ -40,10 +51,14 @@ from embedmesh.services.worker.engines.base import (
     TokenSegment,
 )
 from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
+from embedmesh.services.worker.validate import check_generation
 
-__all__ = ["HFEngine", "HFEngineConfig"]
+__all__ = ["HFEngine", "HFEngineConfig", "GREEDY_BELOW"]
 
 log = get_logger(__name__)
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (vLLM's convention): dividing logits by them overflows float32."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,14 @@ class HFEngine(Engine):
         self._thread: threading.Thread | None = None
         self._info: ModelInfo | None = None
         self._failed: BaseException | None = None
+        """What stopped the engine thread; set once, by that thread."""
+        self._refusal: EmbedmeshError | None = None
+        """Set by ``fail_all``: every later request is refused with it."""
+        self._steps = 0
+        """Units of work done by the engine thread (decoder layers run, loop turns); read by the watchdog."""
+        self._active = 0
+        """Sequences the engine thread holds (being prefilled or decoded)."""
+        self._stopping = False
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -108,6 +131,7 @@ class HFEngine(Engine):
         self.embed = self.model.get_input_embeddings()
         self.torch = torch
         self.dtype = dtype
+        self._count_layer_progress()
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else cfg.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self._info = ModelInfo(
@@ -121,6 +145,16 @@ class HFEngine(Engine):
         )
         seconds = round(time.monotonic() - t0, 2)
         log.info("model loaded", extra={"path": str(self.config.model_path), "seconds": seconds})
+
+    def _count_layer_progress(self) -> None:
+        """Count every decoder layer run as progress, so a long prefill is not mistaken for a stall."""
+        layers = next((m for m in self.model.modules() if isinstance(m, self.torch.nn.ModuleList)), None)
+
+        def tick(*_: Any) -> None:
+            self._steps += 1
+
+        for layer in layers or ():
+            layer.register_forward_hook(tick)
 
     def info(self) -> ModelInfo:
         if self._info is None:
@@ -137,7 +171,38 @@ class HFEngine(Engine):
         if self._failed is not None:
             raise Unavailable(f"engine thread failed: {self._failed!r}")
 
+    def progress(self) -> EngineProgress:
+        failed = None
+        if self._failed is not None:
+            failed = f"engine thread failed: {self._failed!r}"
+        elif self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            failed = "engine thread exited"
+        return EngineProgress(steps=self._steps, busy=self._active > 0 or self._inbox.qsize() > 0, failed=failed)
+
+    def fail_all(self, error: Exception) -> int:
+        if isinstance(error, EmbedmeshError):
+            self._refusal = error
+        failed = 0
+        for seq in list(self._by_id.values()):
+            if not seq.done:
+                # ``done`` makes the engine thread skip the sequence if it still holds it.
+                seq.done = True
+                seq.emit(error)
+                failed += 1
+        return failed
+
+    def _unavailable(self) -> Unavailable | None:
+        """The error a new request gets when the engine can no longer run one, else None."""
+        if self._refusal is not None:
+            r = self._refusal
+            return Unavailable(str(r), field=r.field, reason=r.reason, retry_after_seconds=r.retry_after_seconds)
+        if self._failed is not None or (self._thread is not None and not self._thread.is_alive()):
+            return Unavailable("the worker's engine has failed and the worker is restarting; retry, another worker "
+                               "will take the request", reason="ENGINE_FAILED", retry_after_seconds=1.0)
+        return None
+
     async def shutdown(self) -> None:
+        self._stopping = True
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10)
@@ -145,24 +210,10 @@ class HFEngine(Engine):
     # --- request side (event loop) ---------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         info = self.info()
-        if request.prompt_len == 0:
-            raise InvalidArgument("prompt is empty", field="prompt", reason="EMPTY_PROMPT")
-        for seg in request.segments:
-            if isinstance(seg, TokenSegment) and any(t < 0 or t >= info.vocab_size for t in seg.ids):
-                raise InvalidArgument(
-                    f"prompt token ids must be in [0, {info.vocab_size})", field="prompt", reason="TOKEN_OUT_OF_RANGE"
-                )
-            if isinstance(seg, EmbedsSegment) and (seg.rows.ndim != 2 or seg.rows.shape[1] != info.hidden_size):
-                raise InvalidArgument(
-                    f"prompt_embeds must be (rows, {info.hidden_size})", field="prompt_embeds", reason="BAD_SHAPE"
-                )
-        if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
-            raise InvalidArgument(
-                f"prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the context "
-                f"of {info.max_context_tokens}",
-                field="max_tokens",
-                reason="CONTEXT_OVERFLOW",
-            )
+        down = self._unavailable()
+        if down is not None:
+            raise down
+        check_generation(request, info)
         if request.request_id in self._by_id:
             raise InvalidArgument(f"request id {request.request_id!r} is already running", field="request_id")
         seq = _Seq(
@@ -173,6 +224,11 @@ class HFEngine(Engine):
         )
         self._by_id[request.request_id] = seq
         self._inbox.put(seq)
+        down = self._unavailable()
+        if down is not None:
+            # The thread stopped (or the watchdog tripped) between the check above and the put: nobody may ever
+            # take the sequence from the inbox, so fail it here (a second error queued behind it is never read).
+            seq.emit(down)
         try:
             while True:
                 item = await seq.out.get()
@@ -200,26 +256,110 @@ class HFEngine(Engine):
         rows: list[_Seq] = []
         cache: Any = None
         mask: Any = None
+        incoming: list[_Seq] | None = []
         try:
             with torch.inference_mode():
                 while True:
+                    self._active = len(rows)
                     incoming = self._take(block=not rows, room=self.config.max_batch_size - len(rows))
                     if incoming is None:
                         return
+                    self._active = len(rows) + len(incoming)
                     live = [s for s in incoming if not self._abort_if_needed(s)]
                     if live:
-                        cache, mask, rows = self._admit(live, cache, mask, rows)
+                        cache, mask, rows = self._admit_guarded(live, cache, mask, rows)
+                    incoming = []
                     if rows:
-                        cache, mask, rows = self._drop_finished(cache, mask, rows)
-                    if rows:
-                        self._stats.max_batch_seen = max(self._stats.max_batch_seen, len(rows))
-                        cache, mask = self._decode_step(cache, mask, rows)
-                        cache, mask, rows = self._drop_finished(cache, mask, rows)
-        except BaseException as e:  # noqa: BLE001 - surface to every waiting request, then stop
+                        cache, mask, rows = self._decode_guarded(cache, mask, rows)
+                    self._steps += 1
+        except BaseException as e:  # noqa: BLE001 - past the per-step guards: surface to every waiting request, stop
             self._failed = e
-            log.exception("engine thread failed")
-            for s in rows:
-                s.emit(Unavailable("engine failed; the worker must be restarted"))
+            log.exception("engine thread failed; the worker must be restarted")
+            error = self._unavailable() or Unavailable("the engine failed", reason="ENGINE_FAILED")
+            for s in [*rows, *(incoming or [])]:
+                s.emit(error)
+            # Sequences still in the inbox would wait forever: nobody takes them any more.
+            while True:
+                try:
+                    left = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if left is not None:
+                    left.emit(error)
+
+    def _admit_guarded(self, new: list[_Seq], cache: Any, mask: Any,
+                       rows: list[_Seq]) -> tuple[Any, Any, list[_Seq]]:
+        """Prefill ``new`` and merge it into the running batch. A failed prefill fails only ``new`` (the running
+        batch is untouched until the merge); a failed merge fails everything it may have half-changed."""
+        try:
+            prefilled = self._prefill(new)
+        except Exception as e:  # noqa: BLE001 - one batch's failure must not stop the engine
+            self._fail_step(new, e, "prefill")
+            return cache, mask, rows
+        if prefilled is None:
+            return cache, mask, rows
+        new_cache, new_mask, admitted = prefilled
+        if cache is None or not rows:
+            return new_cache, new_mask, admitted
+        try:
+            return self._merge(cache, mask, new_cache, new_mask), self._cat_mask(mask, new_mask), rows + admitted
+        except Exception as e:  # noqa: BLE001
+            self._fail_step(rows + admitted, e, "merge")
+            return None, None, []
+
+    def _decode_guarded(self, cache: Any, mask: Any, rows: list[_Seq]) -> tuple[Any, Any, list[_Seq]]:
+        """Drop finished rows, decode one step, drop again; when it raises, the rows it ran fail (its cache may be
+        half-updated, so it is dropped with them) and the engine goes on with an empty batch."""
+        try:
+            cache, mask, rows = self._drop_finished(cache, mask, rows)
+            if not rows:
+                return None, None, []
+            self._stats.max_batch_seen = max(self._stats.max_batch_seen, len(rows))
+            cache, mask = self._decode_step(cache, mask, rows)
+            return self._drop_finished(cache, mask, rows)
+        except Exception as e:  # noqa: BLE001 - one batch's failure must not stop the engine
+            self._fail_step(rows, e, "decode")
+            return None, None, []
+
+    def _fail_step(self, seqs: list[_Seq], e: Exception, step: str) -> None:
+        log.exception("hf %s step failed; failing its %d sequences", step, len(seqs),
+                      extra={"request_ids": [s.request.request_id for s in seqs]})
+        for s in seqs:
+            self._fail(s, e)
+
+    def _fail(self, s: _Seq, e: Exception) -> None:
+        """End one sequence with an error (ours as is; anything else without internals)."""
+        if s.done:
+            return
+        s.done = True
+        if not isinstance(e, EmbedmeshError):
+            e = InternalError("the model failed while generating this request; it was logged on the worker")
+        s.emit(e)
+
+    def _non_finite(self, s: _Seq) -> InvalidArgument:
+        field = "prompt_embeds" if any(isinstance(g, EmbedsSegment) for g in s.request.segments) else "prompt"
+        return InvalidArgument(
+            f"{field}: the model's computation went non-finite (NaN or Inf) for this prompt; check the magnitudes "
+            "of the input values", field=field, reason="NON_FINITE_COMPUTATION")
+
+    def _sample_rows(self, logits: Any, seqs: list[_Seq]) -> None:
+        """Sample and accept one token per live row of ``logits`` (float32, one row per sequence); a row that is
+        not finite, or whose sampling raises, fails alone."""
+        torch = self.torch
+        # max() propagates NaN and keeps +Inf; a row of only -Inf has no token to pick: one reduction finds all.
+        bad = (~torch.isfinite(logits.max(dim=-1).values)).tolist()
+        for i, s in enumerate(seqs):
+            if s.done or s.aborted:
+                continue
+            if bad[i]:
+                log.warning("non-finite logits; failing the request", extra={"request_id": s.request.request_id})
+                self._fail(s, self._non_finite(s))
+                continue
+            try:
+                self._accept(s, self._sample(logits[i], s))
+            except Exception as e:  # noqa: BLE001 - this row alone
+                log.exception("sampling failed", extra={"request_id": s.request.request_id})
+                self._fail(s, e)
 
     def _take(self, block: bool, room: int) -> list[_Seq] | None:
         out: list[_Seq] = []
@@ -267,16 +407,34 @@ class HFEngine(Engine):
                 parts.append(t.to(self.dtype))
         return torch.cat(parts, dim=0)
 
-    def _admit(self, new: list[_Seq], cache: Any, mask: Any, rows: list[_Seq]) -> tuple[Any, Any, list[_Seq]]:
-        """Prefill ``new`` together and merge them into the running batch."""
+    def _prefill(self, new: list[_Seq]) -> tuple[Any, Any, list[_Seq]] | None:
+        """Prefill ``new`` together and sample each one's first token: (cache, mask, sequences) to merge into the
+        running batch, or None when none of them could start. A sequence whose prompt cannot be built fails alone."""
         torch = self.torch
         from transformers import DynamicCache
 
-        embeds = [self._prompt_embeds(s) for s in new]
+        embeds, ready = [], []
+        for s in new:
+            try:
+                e = self._prompt_embeds(s)
+                seed = s.request.sampling.seed
+                s.generator = torch.Generator()
+                if seed is not None:
+                    s.generator.manual_seed(int(seed))
+                else:
+                    s.generator.seed()
+            except Exception as err:  # noqa: BLE001 - this sequence alone
+                log.exception("building the prompt failed", extra={"request_id": s.request.request_id})
+                self._fail(s, err)
+                continue
+            embeds.append(e)
+            ready.append(s)
+        if not ready:
+            return None
         length = max(e.shape[0] for e in embeds)
         hidden = embeds[0].shape[1]
-        batch = torch.zeros(len(new), length, hidden, dtype=self.dtype)
-        new_mask = torch.zeros(len(new), length, dtype=torch.long)
+        batch = torch.zeros(len(ready), length, hidden, dtype=self.dtype)
+        new_mask = torch.zeros(len(ready), length, dtype=torch.long)
         for i, e in enumerate(embeds):
             batch[i, length - e.shape[0]:] = e
             new_mask[i, length - e.shape[0]:] = 1
@@ -286,18 +444,11 @@ class HFEngine(Engine):
             inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
             use_cache=True, logits_to_keep=1,
         )
-        logits = out.logits[:, -1, :].float()
-        for i, s in enumerate(new):
+        for i, s in enumerate(ready):
             s.position = embeds[i].shape[0]
-            if s.request.sampling.seed is not None:
-                s.generator = torch.Generator().manual_seed(int(s.request.sampling.seed))
-            else:
-                s.generator = torch.Generator()
-                s.generator.seed()
-            self._accept(s, self._sample(logits[i], s))
-        if cache is None or not rows:
-            return new_cache, new_mask, list(new)
-        return self._merge(cache, mask, new_cache, new_mask), self._cat_mask(mask, new_mask), rows + list(new)
+        self._sample_rows(out.logits[:, -1, :].float(), ready)
+        # Rows that failed stay until ``_drop_finished``: cache rows and sequences stay aligned.
+        return new_cache, new_mask, ready
 
     def _cat_mask(self, a: Any, b: Any) -> Any:
         torch = self.torch
@@ -325,12 +476,9 @@ class HFEngine(Engine):
             inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
             use_cache=True,
         )
-        logits = out.logits[:, -1, :].float()
-        for i, s in enumerate(rows):
+        for s in rows:
             s.position += 1
-            if s.done or s.aborted:
-                continue
-            self._accept(s, self._sample(logits[i], s))
+        self._sample_rows(out.logits[:, -1, :].float(), rows)
         return cache, mask
 
     def _drop_finished(self, cache: Any, mask: Any, rows: list[_Seq]) -> tuple[Any, Any, list[_Seq]]:
@@ -353,22 +501,29 @@ class HFEngine(Engine):
         return cache, mask, [rows[i] for i in keep]
 
     def _sample(self, logits: Any, s: _Seq) -> int:
+        """One token from a finite float32 logits row. Never builds NaN/Inf probabilities: the row is shifted so
+        its maximum is 0 before the temperature divides it (softmax of values <= 0 with one 0 cannot overflow or be
+        all zero), and whatever still is not a distribution falls back to greedy."""
         torch = self.torch
         p = s.request.sampling
-        if p.temperature == 0.0:
+        if p.temperature < GREEDY_BELOW or p.top_k == 1:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        z = (logits - logits.max()) / p.temperature
+        if p.top_k and p.top_k < z.shape[-1]:
+            kth = torch.topk(z, p.top_k).values[-1]
+            z = z.masked_fill(z < kth, float("-inf"))
+        probs = torch.softmax(z, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = sorted_probs.cumsum(-1)
+            # The most likely token is always kept (its preceding mass is 0 < top_p), so the sum below is > 0.
             cut = cumulative - sorted_probs > p.top_p
             sorted_probs = sorted_probs.masked_fill(cut, 0.0)
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
             probs = probs / probs.sum()
+        total = float(probs.sum())
+        if not (math.isfinite(total) and total > 0.0) or not bool(torch.isfinite(probs).all()):
+            return int(torch.argmax(logits))
         return int(torch.multinomial(probs, 1, generator=s.generator))
 
     def _accept(self, s: _Seq, token: int) -> None:

@@ -263,6 +263,14 @@ class VLLMEngine(Engine):
             seed=p.seed, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
         )
 
+    async def ready_info(self) -> ModelInfo:
+        try:
+            await asyncio.wait_for(self._ready.wait(), self.config.ready_timeout_seconds)
+        except TimeoutError:
+            raise Unavailable(f"the vLLM engine is still loading after {self.config.ready_timeout_seconds:g} s; "
+                              "retry later, or raise --ready-timeout", reason="ENGINE_LOADING") from None
+        return self.info()
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         try:
             await asyncio.wait_for(self._ready.wait(), self.config.ready_timeout_seconds)

@@ -1,0 +1,71 @@
+"""What a worker checks before a request reaches its engine, whatever sent it (the preprocessor, or any holder of a
+mesh certificate calling ``WorkerService.Generate`` directly): engines rely on these rules and never see a request
+that breaks one.
+
+Each refusal is an InvalidArgument naming the field and the rule (reason in parentheses):
+- the model generates text (WRONG_TASK)
+- the prompt has at least one position (EMPTY_PROMPT)
+- token ids are in ``[0, vocab_size)`` (TOKEN_OUT_OF_RANGE)
+- embedding rows: every rule of ``preprocessor.embeds.validate_embeds`` — float dtype, ``(rows, hidden_size)``,
+  at least one row, finite after the cast to the model dtype (UNSUPPORTED_DTYPE, BAD_RANK, HIDDEN_SIZE_MISMATCH,
+  EMPTY_EMBEDS, NON_FINITE) — checked where the wire dtype is still known (``embeds_from_wire``)
+- prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW)
+Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto``, the rule the preprocessor uses too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embedmesh.core import tensors
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
+from embedmesh.services.worker.engines.base import EmbedsSegment, GenerationRequest, ModelInfo, TokenSegment
+
+__all__ = ["check_task", "check_generation", "embeds_from_wire"]
+
+_ROW_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))
+"""numpy dtypes an EmbedsSegment may hold (uint16: bf16 bits, see ``EmbedsSegment``)."""
+
+
+def embeds_from_wire(arr: np.ndarray, dtype: int, info: ModelInfo, *, max_tokens: int,
+                     field: str = "prompt_embeds") -> np.ndarray:
+    """Rows received as ``dtype`` (a DataType) -> a ``(rows, hidden_size)`` array in the model dtype, after every
+    embeddings rule; the same function the preprocessor applies, so both ends agree on each bound."""
+    spec = ModelSpec(info.hidden_size, info.max_context_tokens, tensors.dtype_from_name(info.dtype))
+    return validate_embeds(arr, dtype, spec, field=field, max_tokens=max_tokens)
+
+
+def check_task(info: ModelInfo) -> None:
+    """Generate only reaches models that generate text."""
+    if info.task != "generate":
+        raise InvalidArgument(f"model: {info.model} is an embedding model; use /v1/embeddings", field="model",
+                              reason="WRONG_TASK")
+
+
+def check_generation(request: GenerationRequest, info: ModelInfo) -> None:
+    """The cheap structural rules (no scan of embedding values): task, empty prompt, token ids, row shape and
+    dtype, context. Engines call it too, so a caller inside the process gets the same answers."""
+    check_task(info)
+    if request.prompt_len == 0:
+        raise InvalidArgument("prompt: the prompt is empty; send at least one token or embedding row",
+                              field="prompt", reason="EMPTY_PROMPT")
+    for seg in request.segments:
+        if isinstance(seg, TokenSegment):
+            bad = next((t for t in seg.ids if not 0 <= t < info.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt: token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+                                      field="prompt", reason="TOKEN_OUT_OF_RANGE")
+        elif isinstance(seg, EmbedsSegment):
+            rows = seg.rows
+            if rows.dtype not in _ROW_DTYPES:
+                raise InvalidArgument(f"prompt_embeds: dtype {rows.dtype} is not accepted; send float embeddings",
+                                      field="prompt_embeds", reason="UNSUPPORTED_DTYPE")
+            if rows.ndim != 2 or rows.shape[1] != info.hidden_size:
+                raise InvalidArgument(
+                    f"prompt_embeds: expected a (rows, {info.hidden_size}) tensor, got shape {list(rows.shape)}",
+                    field="prompt_embeds", reason="BAD_SHAPE")
+    if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
+        raise InvalidArgument(
+            f"max_tokens: prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the "
+            f"context of {info.max_context_tokens}", field="max_tokens", reason="CONTEXT_OVERFLOW")

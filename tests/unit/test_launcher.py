@@ -1,0 +1,163 @@
+"""The launcher (``make run``) with the echo engine: children live in their own sessions and die with the launcher
+whatever kills it (SIGKILL included), Ctrl-C stops them cleanly, and the security switches (``--tls``, API keys) reach
+every child and are announced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from embedmesh import launcher
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.mesh import Mesh, start_mesh
+
+
+def _child_pids(mesh: Mesh) -> dict[str, int]:
+    return {name: int(pid) for name, pid in re.findall(r"\[launcher\]\s+(\S+)\s+\S+\s+\(pid (\d+)\)",
+                                                        mesh.log_tail(100_000))}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], limit: float = 30) -> list[int]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _port_free(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (as the mesh's servers do: SO_REUSEADDR, so connections in
+    TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports(mesh: Mesh) -> list[int]:
+    return [mesh.gateway_port, mesh.preprocessor_port, *mesh.worker_ports,
+            int(str(mesh.extra["router"]).rsplit(":", 1)[1])]
+
+
+def test_children_die_with_a_sigkilled_launcher() -> None:
+    mesh = start_mesh(engine="echo", workers=2)
+    try:
+        pids = _child_pids(mesh)
+        assert set(pids) == {"router", "worker-0", "worker-1", "preprocessor", "gateway"}
+        # Each child leads its own session: a terminal's Ctrl-C reaches only the launcher.
+        assert all(os.getsid(pid) == pid for pid in pids.values())
+        os.kill(mesh.proc.pid, signal.SIGKILL)
+        mesh.proc.wait()
+        assert _wait_gone(list(pids.values())) == []
+        assert all(_port_free(p) for p in _ports(mesh))
+    finally:
+        mesh.stop()
+
+
+def test_ctrl_c_stops_every_child_and_exits_0() -> None:
+    mesh = start_mesh(engine="echo", workers=1)
+    pids = list(_child_pids(mesh).values())
+    assert len(pids) == 4
+    assert mesh.stop() == 0  # SIGINT, as Ctrl-C sends it
+    assert _wait_gone(pids) == []
+    assert "[launcher] stopped" in mesh.log_tail()
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return launcher.parse_args(list(argv))
+
+
+def test_an_open_mesh_is_announced_and_gets_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (*launcher.KEY_VARS, "EMBEDMESH_MESH_TOKEN", "EMBEDMESH_TLS"):
+        monkeypatch.delenv(var, raising=False)
+    env: dict[str, str] = {}
+    per_child, lines = launcher.security_env(_args(), env)
+    assert lines == [launcher.OPEN_WARNING]
+    assert per_child == {} and "EMBEDMESH_MESH_TOKEN" not in env
+
+
+def test_api_keys_get_a_random_mesh_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "k-1", "tenant": "a"}]}))
+    tokens = set()
+    for _ in range(2):
+        env = {}
+        _, lines = launcher.security_env(_args("--api-keys-file", str(keys)), env)
+        assert env["EMBEDMESH_API_KEYS_FILE"] == str(keys.resolve())
+        assert len(env["EMBEDMESH_MESH_TOKEN"]) >= 32
+        tokens.add(env["EMBEDMESH_MESH_TOKEN"])
+        assert launcher.OPEN_WARNING not in lines and any("API keys required" in x for x in lines)
+    assert len(tokens) == 2
+
+
+def test_tls_makes_certificates_for_every_child(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
+    env: dict[str, str] = {}
+    per_child, lines = launcher.security_env(_args("--tls", "--tls-dir", str(tmp_path)), env)
+    for name in ("gateway", "preprocessor", "router", "worker", "embed-worker", "vector-store"):
+        files = per_child[name]
+        assert Path(files["EMBEDMESH_TLS_CERT"]) == tmp_path / f"{name}.pem"
+        assert all(Path(files[k]).is_file() for k in ("EMBEDMESH_TLS_CERT", "EMBEDMESH_TLS_KEY", "EMBEDMESH_TLS_CA"))
+    assert env["EMBEDMESH_MESH_TOKEN"]
+    assert any("mutual TLS" in x for x in lines)
+
+
+def test_gateway_tls_needs_tls() -> None:
+    with pytest.raises(SystemExit):
+        _args("--gateway-tls")
+
+
+def test_a_tls_mesh_serves_and_its_workers_refuse_callers_without_a_mesh_certificate() -> None:
+    mesh = start_mesh(engine="echo", workers=1, tls=True)
+    try:
+        tls_dir = Path(str(mesh.extra["tls_dir"]))
+        with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "ok"
+        assert {s["service"] for s in body["services"]} == {"gateway", "preprocessor", "worker", "router"}
+        ca = (tls_dir / "ca.pem").read_bytes()
+        plain = grpc.ssl_channel_credentials(root_certificates=ca)
+        with grpc.secure_channel(mesh.workers[0], plain) as ch, pytest.raises(grpc.RpcError):
+            worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        mutual = grpc.ssl_channel_credentials(root_certificates=ca,
+                                              private_key=(tls_dir / "client-key.pem").read_bytes(),
+                                              certificate_chain=(tls_dir / "client.pem").read_bytes())
+        with grpc.secure_channel(mesh.workers[0], mutual) as ch:
+            info = worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        assert info.model == "echo"
+        assert "mutual TLS between services" in mesh.log_tail(100_000)
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_gateway_tls_serves_https() -> None:
+    mesh = start_mesh(engine="echo", workers=1, tls=True, gateway_tls=True)
+    try:
+        assert mesh.base_url.startswith("https://")
+        ctx = ssl.create_default_context(cafile=str(Path(str(mesh.extra["tls_dir"])) / "ca.pem"))
+        with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=10, context=ctx) as r:
+            assert json.loads(r.read())["status"] == "ok"
+    finally:
+        mesh.stop()
