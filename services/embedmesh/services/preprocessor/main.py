@@ -56,7 +56,7 @@ async def serve(config: PreprocessorConfig) -> None:
     cache = TieredCache(CacheConfig(capacity_bytes=config.cache_capacity_bytes, redis_url=config.redis_url,
                                     default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
-                                                  max_message_bytes=config.max_message_bytes,
+                                                  max_message_bytes=public_message_cap(config),
                                                   metrics_port=config.metrics_port, public=True,
                                                   grace_seconds=config.drain_seconds))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
@@ -79,6 +79,13 @@ async def serve(config: PreprocessorConfig) -> None:
     follower = asyncio.create_task(_follow_health(server, pool))
     await server.wait_for_termination()
     follower.cancel()
+
+
+def public_message_cap(config: PreprocessorConfig) -> int:
+    """The public port's message cap: one prompt tensor at its cap plus room for the request around it (16 MiB),
+    never more than ``max_message_bytes`` — smaller than the internal ports' cap (512 MiB), so a public caller
+    cannot make the preprocessor buffer more than one request can legitimately need."""
+    return min(config.max_message_bytes, config.max_embeds_bytes + 16 * 1024 * 1024)
 
 
 def main(argv: list[str] | None = None) -> None:
