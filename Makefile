@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean fuzz
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean fuzz soak
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -79,6 +79,12 @@ fuzz: venv model
 bench: venv model sysdeps
 	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 MALLOC_TOP_PAD_=268435456 \
 	EMBEDMESH_TRACE_CONSOLE=0 $(PY) bench/run_all.py
+
+# 32 clients mixing text, prompt_embeds, chat parts and /v1/embeddings through a real mesh for 10 minutes
+# (SOAK_ARGS="--clients 8 --seconds 60" for a short run).
+soak: venv model sysdeps
+	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 MALLOC_TOP_PAD_=268435456 \
+	EMBEDMESH_TRACE_CONSOLE=0 $(PY) bench/soak.py $(SOAK_ARGS)
 
 lint: venv
 	$(PY) -m ruff check services gateway tests bench

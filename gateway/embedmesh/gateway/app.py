@@ -194,9 +194,23 @@ async def _vector_store_health(stub: health_pb2_grpc.HealthStub | None) -> dict[
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_require_key: bool = False) -> Handler:
-    """API key check, metrics, a server span (parented by an incoming W3C traceparent) and OpenAI errors for one
-    route."""
+class _Admission:
+    """Requests in flight at this gateway, all routes together (a stream counts until its last byte). Past the
+    limit a request is refused at once with 503 + Retry-After, before its body is read or any gRPC call is made:
+    under overload the queue must not build up here, ahead of the preprocessor's own bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def release(self) -> None:
+        self.count -= 1
+
+
+def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_require_key: bool = False,
+              admission: _Admission | None = None) -> Handler:
+    """Admission, API key check, metrics, a server span (parented by an incoming W3C traceparent) and OpenAI errors
+    for one route."""
 
     async def run(request: Request) -> Response:
         try:
@@ -210,6 +224,14 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
 
     async def wrapped(request: Request) -> Response:
         t0 = time.perf_counter()
+        if admission is not None and admission.limit and admission.count >= admission.limit:
+            refused = error_response(ApiError(
+                503, f"the gateway has {admission.count} requests in flight, its limit; retry shortly",
+                code="overloaded", type_="service_unavailable", retry_after=1.0))
+            REQUESTS.labels(route, "503").inc()
+            return refused
+        if admission is not None:
+            admission.count += 1
         INFLIGHT.inc()
         response: Response | None = None
         try:
@@ -227,8 +249,12 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
         finally:
             if isinstance(response, EventStream):
                 response.on_close.append(INFLIGHT.dec)  # a stream is in flight until its last byte
+                if admission is not None:
+                    response.on_close.append(admission.release)
             else:
                 INFLIGHT.dec()
+                if admission is not None:
+                    admission.release()
         REQUESTS.labels(route, str(response.status_code)).inc()
         LATENCY.labels(route).observe(time.perf_counter() - t0)
         return response
@@ -262,6 +288,7 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     """The gateway app. ``extra_routes`` plugs in more API areas: routes, or functions ``(gateway) -> routes``
     (the shape of every ``*_routes`` function here, e.g. ``files.routes`` and ``vector_stores.routes``)."""
     gw = Gateway(config)
+    admission = _Admission(config.max_inflight)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -281,7 +308,9 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     routes: list[Route] = []
     for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
-        routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced), methods=list(r.methods or ["GET"])))
+        routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced,
+                                              admission=None if r.path == "/health" else admission),
+                            methods=list(r.methods or ["GET"])))
     metrics = _observed("/metrics", _metrics, traced=False, metrics_require_key=config.metrics_require_key)
     routes.append(Route("/metrics", metrics if config.metrics_require_key else _metrics, methods=["GET"]))
 

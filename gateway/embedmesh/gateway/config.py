@@ -8,6 +8,7 @@
     --max-body-bytes    EMBEDMESH_GATEWAY_MAX_BODY_BYTES       1 GiB
     --request-timeout   EMBEDMESH_GATEWAY_REQUEST_TIMEOUT      600 s
     --metrics-require-key EMBEDMESH_GATEWAY_METRICS_REQUIRE_KEY  off (/metrics open)
+    --max-inflight      EMBEDMESH_GATEWAY_MAX_INFLIGHT         512 (0 = no limit)
 
 API keys, TLS and the mesh token are read by ``embedmesh.core.security`` (the same flags on every service).
 
@@ -42,6 +43,9 @@ class GatewayConfig:
     """Deadline of each completion/embedding gRPC call, in seconds (> 0); a stream must end within it."""
     metrics_require_key: bool = False
     """Whether ``/metrics`` needs an API key too (when keys are configured)."""
+    max_inflight: int = 512
+    """Requests in flight at once (streams until their last byte); more get 503 + Retry-After at once. 0 = no
+    limit."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -50,6 +54,8 @@ class GatewayConfig:
             raise ValueError("preprocessor address is required (host:port)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_inflight < 0:
+            raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if not self.request_timeout_seconds > 0:
             raise ValueError(f"request_timeout_seconds must be > 0, got {self.request_timeout_seconds}")
 
@@ -71,11 +77,14 @@ class GatewayConfig:
                        help="seconds")
         p.add_argument("--metrics-require-key", action="store_true",
                        default=env.get("EMBEDMESH_GATEWAY_METRICS_REQUIRE_KEY", "") in ("1", "true", "yes"))
+        p.add_argument("--max-inflight", type=int,
+                       default=int(env.get("EMBEDMESH_GATEWAY_MAX_INFLIGHT", cls.max_inflight)),
+                       help="requests in flight at once; more are refused with 503 + Retry-After (0 = no limit)")
         a = p.parse_args(argv)
         try:
             return cls(host=a.host, port=a.port, preprocessor=a.preprocessor, vector_store=a.vector_store,
                        max_body_bytes=a.max_body_bytes, request_timeout_seconds=a.request_timeout,
-                       metrics_require_key=a.metrics_require_key)
+                       metrics_require_key=a.metrics_require_key, max_inflight=a.max_inflight)
         except ValueError as e:
             p.error(str(e))
 

@@ -99,13 +99,17 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
 
 
 def _cast(arr: np.ndarray, dtype: int, target: int) -> np.ndarray:
-    """Round to the model dtype as torch's ``.to(dtype)`` does (bf16 via float32 with round-to-nearest-even)."""
+    """Round to the model dtype as torch's ``.to(dtype)`` does (bf16, and fp16 from fp64, via float32)."""
     if dtype == target:
         return arr
     values = tensors.bf16_to_f32(arr) if dtype == tensor_pb2.DATA_TYPE_BF16 else arr
     with np.errstate(over="ignore", invalid="ignore"):  # overflow becomes Inf, reported by the caller
         if target == tensor_pb2.DATA_TYPE_BF16:
             return tensors.f32_to_bf16(values.astype(np.float32))
+        if target == tensor_pb2.DATA_TYPE_FP16 and values.dtype == np.float64:
+            # torch casts float64 -> float16 through float32 (two roundings); numpy's direct cast differs by one
+            # ulp on about 1 value in 20 000, so do as torch does to stay bit-exact with vLLM's own cast.
+            values = values.astype(np.float32)
         return values.astype(tensors.numpy_dtype(target))
 
 
