@@ -61,6 +61,26 @@ class Mesh:
         return self.proc.returncode
 
 
+def _port_bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _metrics_base(workers: int) -> int:
+    """A base for the launcher's metrics ports (base+1..+3, +9, +10+i) below Linux's ephemeral range (32768+), so
+    a client connection cannot take one of them, with every port it implies free right now."""
+    for _ in range(200):
+        base = random.randrange(10000, 32000, 100)
+        if all(_port_bindable(base + off) for off in (1, 2, 3, 9, *range(10, 10 + workers))):
+            return base
+    raise RuntimeError("no free block of metrics ports below 32000")
+
+
 def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
     env: dict[str, str] | None = None, extra_args: list[str] | None = None, tls: bool = False,
@@ -79,7 +99,7 @@ def start_mesh(
     ports = [first + i for i in range(workers)]
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
     log = open(log_path, "wb")
-    metrics_base = random.randrange(20000, 60000, 100)
+    metrics_base = _metrics_base(workers)
     cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
            "--metrics-port-base", str(metrics_base), "--router-port", str(router),
            "--embed-worker-port", str(embed), "--vector-store-port", str(vs), "--vector-store-data-dir", vs_dir,
