@@ -14,7 +14,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["free_port", "Mesh", "start_mesh"]
+__all__ = ["free_port", "port_bindable", "Mesh", "start_mesh"]
 
 
 def free_port() -> int:
@@ -61,7 +61,8 @@ class Mesh:
         return self.proc.returncode
 
 
-def _port_bindable(port: int) -> bool:
+def port_bindable(port: int) -> bool:
+    """Whether a new listener (SO_REUSEADDR) could bind ``port`` on 127.0.0.1 now."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -76,7 +77,7 @@ def _metrics_base(workers: int) -> int:
     a client connection cannot take one of them, with every port it implies free right now."""
     for _ in range(200):
         base = random.randrange(10000, 32000, 100)
-        if all(_port_bindable(base + off) for off in (1, 2, 3, 9, *range(10, 10 + workers))):
+        if all(port_bindable(base + off) for off in (1, 2, 3, 9, *range(10, 10 + workers))):
             return base
     raise RuntimeError("no free block of metrics ports below 32000")
 

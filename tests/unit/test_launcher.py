@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import time
 import urllib.request
@@ -20,7 +19,7 @@ import pytest
 
 from embedmesh import launcher
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.support.mesh import Mesh, start_mesh
+from tests.support.mesh import Mesh, port_bindable, start_mesh
 
 
 def _child_pids(mesh: Mesh) -> dict[str, int]:
@@ -46,13 +45,7 @@ def _wait_gone(pids: list[int], limit: float = 30) -> list[int]:
 def _port_free(port: int) -> bool:
     """Whether a new server could listen on ``port`` (as the mesh's servers do: SO_REUSEADDR, so connections in
     TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return port_bindable(port)
 
 
 def _ports(mesh: Mesh) -> list[int]:

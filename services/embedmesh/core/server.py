@@ -259,21 +259,29 @@ class _Authorizer:
         )
 
 
+def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: _Authorizer | None,
+           streaming_in: bool, obs: _Observed, owed: list[auth.Principal]) -> Any:
+    """Authenticate the call, refuse unparsable request bytes, take the tenant's limiter slot (appended to ``owed``
+    for the caller to release) and serve the rest of the call as its principal; returns the request to hand on."""
+    principal = authz.principal(metadata, context) if authz else auth.current_principal()
+    obs.tenant = principal.tenant
+    if streaming_in:
+        request = _checked_stream(request, method)
+    elif isinstance(request, _BadMessage):
+        raise _bad_message(method, request)
+    if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
+        owed.append(principal)
+    auth.set_principal(principal)
+    return request
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
                 authz: _Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         with _Observed(method, metadata) as obs:
-            owed: auth.Principal | None = None
+            owed: list[auth.Principal] = []
             try:
-                principal = authz.principal(metadata, context) if authz else auth.current_principal()
-                obs.tenant = principal.tenant
-                if streaming_in:
-                    request = _checked_stream(request, method)
-                elif isinstance(request, _BadMessage):
-                    raise _bad_message(method, request)
-                if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
-                    owed = principal
-                auth.set_principal(principal)
+                request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
                 return await fn(request, context)
             except EmbedmeshError as e:
                 obs.fail(e.code.name)
@@ -284,8 +292,8 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
                 obs.fail("INTERNAL")
                 await _abort(context, _unexpected(e, method))
             finally:
-                if owed is not None:
-                    auth.limiter().release(owed)
+                for p in owed:
+                    auth.limiter().release(p)
 
     return wrapper
 
@@ -296,17 +304,9 @@ def _wrap_stream(
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         with _Observed(method, metadata) as obs:
-            owed: auth.Principal | None = None
+            owed: list[auth.Principal] = []
             try:
-                principal = authz.principal(metadata, context) if authz else auth.current_principal()
-                obs.tenant = principal.tenant
-                if streaming_in:
-                    request = _checked_stream(request, method)
-                elif isinstance(request, _BadMessage):
-                    raise _bad_message(method, request)
-                if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
-                    owed = principal
-                auth.set_principal(principal)
+                request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
                 async for item in fn(request, context):
                     yield item
             except EmbedmeshError as e:
@@ -318,8 +318,8 @@ def _wrap_stream(
                 obs.fail("INTERNAL")
                 await _abort(context, _unexpected(e, method))
             finally:
-                if owed is not None:
-                    auth.limiter().release(owed)
+                for p in owed:
+                    auth.limiter().release(p)
 
     return wrapper
 
