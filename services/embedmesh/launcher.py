@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedmesh.services.worker.engines import registry
+
 __all__ = ["main", "MeshProcess"]
 
 
@@ -118,6 +120,16 @@ def stop_all(procs: list[MeshProcess], grace: float = 40.0) -> None:
             p.proc.wait()
 
 
+def _worker_python(engine: str, flag: str, a: argparse.Namespace, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """The interpreter and environment of a worker running ``engine``: this venv, or the engine's own one (the
+    registry says which launcher flag names it)."""
+    spec = registry.spec(engine)
+    if spec.venv is None:
+        return sys.executable, env
+    venv = getattr(a, spec.venv.lstrip("-").replace("-", "_"))
+    return _engine_venv(f"{flag} {engine}", venv, spec.venv.lstrip("-"), {**dict(spec.venv_env), **env})
+
+
 def _engine_venv(flag: str, venv: str, target: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
     """The interpreter of an engine's own venv, and an env that imports this checkout from source there."""
     python = Path(venv) / "bin" / "python"
@@ -137,7 +149,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-port", type=int, default=int(env.get("EMBEDMESH_WORKER_PORT", "50061")),
                    help="first worker's port; further workers take the next ports")
     p.add_argument("--workers", type=int, default=int(env.get("EMBEDMESH_NUM_WORKERS", "1")))
-    p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"))
+    p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"),
+                   choices=[n for n in registry.names() if "generate" in registry.spec(n).tasks],
+                   help="engine of the generative workers (see the worker's --help)")
     p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", "default"))
     p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "0")),
                    help="torch threads per worker (0 = the machine's cores shared among the workers)")
@@ -260,17 +274,14 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             args += ["--routers", router_addr]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
-        python, worker_env = sys.executable, env
-        if a.engine == "vllm":
-            if a.model in ("default", "SmolLM2-135M-Instruct"):
-                # The vLLM venv holds no model packages: hand it the converted folder and the served name.
-                from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model
+        if registry.venv_of(a.engine) and a.model in ("default", "SmolLM2-135M-Instruct"):
+            # An engine's own venv holds no model packages: hand it the converted folder and the served name.
+            from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model
 
-                i_model = args.index("--model") + 1
-                args[i_model] = str(ensure_default_model())
-                args += ["--served-name", DEFAULT_MODEL]
-            python, worker_env = _engine_venv("--engine vllm", a.vllm_venv, "vllm-venv",
-                                              {"VLLM_CPU_KVCACHE_SPACE": "1", **env})
+            i_model = args.index("--model") + 1
+            args[i_model] = str(ensure_default_model())
+            args += ["--served-name", DEFAULT_MODEL]
+        python, worker_env = _worker_python(a.engine, "--engine", a, env)
         proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, worker_env, python)
         procs.append(MeshProcess(f"worker-{i}", addr, proc))
     if a.embed_worker_port and a.engine != "echo":
@@ -279,9 +290,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
         args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", a.embed_engine, "--threads", "1"]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 9)]
-        python, worker_env = sys.executable, env
-        if a.embed_engine == "sglang":
-            python, worker_env = _engine_venv("--embed-engine sglang", a.sglang_venv, "sglang-venv", env)
+        python, worker_env = _worker_python(a.embed_engine, "--embed-engine", a, env)
         procs.append(MeshProcess("embed-worker", addr, _spawn("embed-worker", "embedmesh.services.worker.main", args,
                                                                worker_env, python)))
     pre_addr = f"{a.host}:{a.preprocessor_port}"

@@ -1,7 +1,6 @@
 """Runs an embedmesh worker with ``--engine sglang`` inside the SGLang venv (started by conftest.py).
 
-Until the worker's config lists "sglang" among its engines, this adds it and routes ``build_engine`` to the sglang
-adapter; once it does, this is the plain worker entry point. SGLang spawns its scheduler with multiprocessing's
+The plain worker entry point (the engine registry knows "sglang"). SGLang spawns its scheduler with multiprocessing's
 ``spawn`` method, which re-imports this file: everything runs under the ``__main__`` guard.
 """
 
@@ -11,14 +10,8 @@ import sys
 
 
 def _main(argv: list[str]) -> None:
-    from embedmesh.services.worker import config, main
+    from embedmesh.services.worker import main
 
-    if "sglang" not in config.ENGINES:
-        from embedmesh.services.worker.engines.sglang_engine import from_worker_config
-
-        config.ENGINES = (*config.ENGINES, "sglang")  # type: ignore[misc]
-        plain = main.build_engine
-        main.build_engine = lambda c: from_worker_config(c) if c.engine == "sglang" else plain(c)  # type: ignore[misc]
     main.main(argv)
 
 

@@ -6,9 +6,12 @@ import argparse
 import os
 from dataclasses import asdict, dataclass
 
+from embedmesh.services.worker.engines import registry
+
 __all__ = ["WorkerConfig", "ENGINES"]
 
-ENGINES = ("hf", "hf-embed", "vllm", "sglang", "echo")
+ENGINES = registry.names()
+"""Engine names, from the registry (``engines/registry.py``)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+            registry.spec(self.engine)  # raises UnknownEngine (a ValueError) listing the known engines
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_batch_size < 1:
@@ -103,7 +106,8 @@ class WorkerConfig:
     def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
         env = os.environ
         p = argparse.ArgumentParser(prog="embedmesh-worker", description="Run one embedmesh worker.")
-        p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", cls.engine))
+        p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", cls.engine),
+                       help="; ".join(f"{s.name}: {s.summary}" for s in map(registry.spec, ENGINES)))
         p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", cls.model))
         p.add_argument("--served-name", default=env.get("EMBEDMESH_WORKER_SERVED_NAME", cls.served_name))
         p.add_argument("--host", default=env.get("EMBEDMESH_WORKER_HOST", cls.host))
@@ -147,7 +151,10 @@ class WorkerConfig:
         a = p.parse_args(argv)
         values = vars(a)
         values["routers"] = tuple(r.strip() for r in a.routers.split(",") if r.strip())
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback
+            p.error(str(e))
 
     def describe(self) -> dict[str, object]:
         return asdict(self)

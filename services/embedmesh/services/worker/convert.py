@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
@@ -13,6 +15,7 @@ from embedmesh.services.worker.engines.base import (
     GenerationRequest,
     ModelInfo,
     Segment,
+    TokenLogprob,
     TokenSegment,
 )
 from embedmesh.services.worker.validate import check_generation, check_task, embeds_from_wire
@@ -34,6 +37,8 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> Gene
         raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
     check_task(info)
     sampling = sampling_from_proto(req.sampling)
+    if sampling.max_tokens == 0 and sampling.prompt_logprobs is None:
+        raise InvalidArgument("max_tokens must be >= 1", field="max_tokens", reason="OUT_OF_RANGE")
     segments: list[Segment] = []
     for i, seg in enumerate(req.segments):
         kind = seg.WhichOneof("kind")
@@ -51,14 +56,40 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> Gene
     return request
 
 
-def delta_to_proto(d: GenerationDelta, prompt_tokens: int) -> worker_pb2.GenerateResponse:
-    return worker_pb2.GenerateResponse(
+TokenText = Callable[[int], str]
+"""A token id's text, as the engine's tokenizer decodes that one token alone."""
+
+
+def logprob_to_proto(lp: TokenLogprob, token_text: TokenText | None) -> common_pb2.TokenLogprob:
+    """Domain log-probability -> proto, each token's text and UTF-8 bytes filled in by ``token_text``."""
+    def text(t: int) -> str:
+        return token_text(t) if token_text is not None else ""
+
+    tok = text(lp.token_id)
+    out = common_pb2.TokenLogprob(token_id=lp.token_id, token=tok, bytes=tok.encode("utf-8", "surrogatepass"))
+    if lp.logprob is not None:
+        out.logprob = lp.logprob
+    for t, value in lp.top:
+        alt = text(t)
+        out.top.append(common_pb2.TopLogprob(token_id=t, token=alt, logprob=value,
+                                             bytes=alt.encode("utf-8", "surrogatepass")))
+    return out
+
+
+def delta_to_proto(d: GenerationDelta, prompt_tokens: int,
+                   token_text: TokenText | None = None) -> worker_pb2.GenerateResponse:
+    msg = worker_pb2.GenerateResponse(
         text=d.text,
         token_ids=list(d.token_ids),
         finish_reason=FINISH_TO_PROTO[d.finish_reason],
         prompt_tokens=prompt_tokens if d.finish_reason is not None else 0,
         completion_tokens=d.completion_tokens,
     )
+    if d.logprobs:
+        msg.logprobs.extend(logprob_to_proto(lp, token_text) for lp in d.logprobs)
+    if d.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp, token_text) for lp in d.prompt_logprobs)
+    return msg
 
 
 def info_to_proto(info: ModelInfo, worker_id: str) -> worker_pb2.GetInfoResponse:

@@ -1,4 +1,5 @@
-"""Worker bootstrap: parse config, build the engine, serve (NOT_SERVING until the model is loaded)."""
+"""Worker bootstrap: parse config, build the configured engine through the registry (``engines/registry.py``),
+serve it (NOT_SERVING until the model is loaded)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from embedmesh.router.v1 import router_pb2
 from embedmesh.services.router.worker_client import LoadReport, RouterLink
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
+from embedmesh.services.worker.engines.registry import build_engine
 from embedmesh.services.worker.metrics import register_engine_metrics
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.services.worker.watchdog import Watchdog
@@ -28,48 +30,6 @@ if TYPE_CHECKING:
 log = get_logger("embedmesh.worker")
 
 SERVICE_NAME = "embedmesh.worker.v1.WorkerService"
-
-
-def build_engine(config: WorkerConfig) -> Engine:
-    if config.engine == "echo":
-        from embedmesh.services.worker.engines.echo import EchoEngine
-
-        return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
-    if config.engine == "vllm":
-        from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-        from embedmesh.services.worker.engines.vllm_engine import VLLMConfig, VLLMEngine
-
-        path = resolve_model_path(config.model)
-        name = config.served_name or (DEFAULT_MODEL if config.model in ("default", DEFAULT_MODEL) else path.name)
-        return VLLMEngine(VLLMConfig(path, name, dtype=config.dtype, max_model_len=config.max_model_len,
-                                     gpu_memory_utilization=config.gpu_memory_utilization,
-                                     tensor_parallel_size=config.tensor_parallel_size,
-                                     max_num_seqs=config.max_batch_size, enable_lora=config.enable_lora,
-                                     block_size=config.vllm_block_size or None,
-                                     kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
-                                     kv_events=config.kv_events and bool(config.routers),
-                                     kv_event_block_size=config.block_size,
-                                     ready_timeout_seconds=config.ready_timeout))
-    if config.engine == "sglang":
-        from embedmesh.services.worker.engines.sglang_engine import from_worker_config
-
-        return from_worker_config(config)
-    if config.engine == "hf-embed":
-        from pathlib import Path
-
-        from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
-        from embedmesh.services.worker.engines.hf_embed import HFEmbedConfig, HFEmbedEngine
-
-        default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
-        folder = minilm_dir() if default else Path(config.model)
-        name = config.served_name or (DEFAULT_EMBEDDING_MODEL if default else folder.name)
-        return HFEmbedEngine(HFEmbedConfig(folder, name, threads=config.threads))
-    from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
-
-    path = resolve_model_path(config.model)
-    name = config.served_name or (DEFAULT_MODEL if config.model in ("default", DEFAULT_MODEL) else path.name)
-    return HFEngine(HFEngineConfig(path, name, config.max_batch_size, config.threads, config.dtype))
 
 
 async def serve(config: WorkerConfig) -> None:

@@ -38,10 +38,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         req = request_from_proto(request, await self.engine.ready_info())
         self._admit()
         prompt_len = req.prompt_len
+        wants_text = req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None
+        token_text = self.engine.token_text if wants_text else None
         stream = self.engine.generate(req)
         try:
             async for delta in stream:
-                yield delta_to_proto(delta, prompt_len)
+                yield delta_to_proto(delta, prompt_len, token_text)
         finally:
             # Cancellation (caller gone) lands here; closing the engine's stream aborts the sequence.
             await stream.aclose()  # type: ignore[attr-defined]

@@ -10,6 +10,8 @@ Each refusal is an InvalidArgument naming the field and the rule (reason in pare
   at least one row, finite after the cast to the model dtype (UNSUPPORTED_DTYPE, BAD_RANK, HIDDEN_SIZE_MISMATCH,
   EMPTY_EMBEDS, NON_FINITE) — checked where the wire dtype is still known (``embeds_from_wire``)
 - prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW)
+- logit_bias token ids are in the vocabulary (TOKEN_OUT_OF_RANGE, field logit_bias)
+- prompt log-probabilities only for prompts made of token ids (PROMPT_LOGPROBS_WITH_EMBEDS)
 Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto``, the rule the preprocessor uses too.
 """
 
@@ -19,10 +21,11 @@ import numpy as np
 
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.sampling import SamplingParams
 from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
 from embedmesh.services.worker.engines.base import EmbedsSegment, GenerationRequest, ModelInfo, TokenSegment
 
-__all__ = ["check_task", "check_generation", "embeds_from_wire"]
+__all__ = ["check_task", "check_generation", "check_sampling_for_model", "embeds_from_wire"]
 
 _ROW_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))
 """numpy dtypes an EmbedsSegment may hold (uint16: bf16 bits, see ``EmbedsSegment``)."""
@@ -65,7 +68,20 @@ def check_generation(request: GenerationRequest, info: ModelInfo) -> None:
                 raise InvalidArgument(
                     f"prompt_embeds: expected a (rows, {info.hidden_size}) tensor, got shape {list(rows.shape)}",
                     field="prompt_embeds", reason="BAD_SHAPE")
+    check_sampling_for_model(request.sampling, info.vocab_size)
+    if request.sampling.prompt_logprobs is not None and any(isinstance(g, EmbedsSegment) for g in request.segments):
+        raise InvalidArgument("prompt_logprobs: log-probabilities of the prompt need token ids; embedding rows have "
+                              "no token to score (send a text or token-id prompt)", field="prompt_logprobs",
+                              reason="PROMPT_LOGPROBS_WITH_EMBEDS")
     if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
         raise InvalidArgument(
             f"max_tokens: prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the "
             f"context of {info.max_context_tokens}", field="max_tokens", reason="CONTEXT_OVERFLOW")
+
+
+def check_sampling_for_model(sampling: SamplingParams, vocab_size: int) -> None:
+    """Sampling rules that depend on the model: logit_bias keys are token ids of its vocabulary."""
+    bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                              field="logit_bias", reason="TOKEN_OUT_OF_RANGE")

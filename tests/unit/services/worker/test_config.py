@@ -23,7 +23,7 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
-    (["--engine", "nope"], "engine must be one of"),
+    (["--engine", "nope"], "unknown engine 'nope'; known engines: hf, hf-embed, vllm, sglang, echo"),
     (["--port", "70000"], "port must be in"),
     (["--max-batch-size", "0"], "max_batch_size"),
     (["--threads", "0"], "threads"),
@@ -34,6 +34,16 @@ def test_environment_variables_are_read(monkeypatch: pytest.MonkeyPatch) -> None
     (["--dtype", "int8"], "dtype must be"),
     (["--sglang-task", "chat"], "sglang_task"),
 ])
-def test_bad_values_are_refused_naming_the_setting(argv: list[str], needle: str) -> None:
-    with pytest.raises(ValueError, match=needle):
+def test_bad_values_are_refused_naming_the_setting(argv: list[str], needle: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # On the command line: argparse's usage and the message on stderr, exit status 2, no traceback.
+    with pytest.raises(SystemExit) as exit_:
         WorkerConfig.from_args(argv)
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_an_engine_nobody_registered_is_refused_in_code_too() -> None:
+    with pytest.raises(ValueError, match="unknown engine 'tpu'; known engines: hf, hf-embed, vllm, sglang, echo"):
+        WorkerConfig(engine="tpu")
+

@@ -24,6 +24,7 @@ __all__ = [
     "Segment",
     "GenerationRequest",
     "GenerationDelta",
+    "TokenLogprob",
     "ModelInfo",
     "EngineStats",
     "EngineProgress",
@@ -77,6 +78,19 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability: the token there and the most likely alternatives.
+
+    ``logprob`` is the log-softmax of the model's raw logits at the position (before temperature, penalties, bias
+    and grammar masks, as vLLM's default ``raw_logprobs``); None only for a prompt's first token, which nothing
+    predicts. ``top`` holds (token id, logprob) pairs, most likely first."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationDelta:
     """New output since the previous delta; the last one has ``finish_reason`` set."""
 
@@ -84,6 +98,10 @@ class GenerationDelta:
     token_ids: tuple[int, ...]
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per id in ``token_ids`` when the request asked for log-probabilities."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """On the first delta only, one per prompt position, when the request asked for them."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,10 @@ class Engine(ABC):
     @abstractmethod
     def stats(self) -> EngineStats:
         """Counters for GetStats and metrics."""
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone (shown beside log-probabilities); "" for an engine without a tokenizer."""
+        return ""
 
     async def check_health(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise if the engine can no longer serve."""
