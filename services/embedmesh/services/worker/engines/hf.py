@@ -39,6 +39,7 @@ import numpy as np
 
 from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
+from embedmesh.services.worker.engines import logits as logits_ops
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     Engine,
@@ -48,6 +49,7 @@ from embedmesh.services.worker.engines.base import (
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
+    TokenLogprob,
     TokenSegment,
 )
 from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
@@ -87,6 +89,14 @@ class _Seq:
     position: int = 0
     aborted: bool = False
     done: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Parallel to ``generated`` when the request asked for log-probabilities."""
+    prompt_lp: tuple[TokenLogprob, ...] | None = None
+    """Prompt log-probabilities, sent with the first delta."""
+    counts: dict[int, int] = field(default_factory=dict)
+    """Generated token -> times (frequency/presence penalties)."""
+    matcher: Any = None
+    """The grammar matcher of a structured-output request (``core/structured.py``)."""
 
     def emit(self, item: GenerationDelta | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -111,6 +121,9 @@ class HFEngine(Engine):
         self._active = 0
         """Sequences the engine thread holds (being prefilled or decoded)."""
         self._stopping = False
+        self._texts: dict[int, str] = {}
+        self._structured: Any = None
+        """``StructuredCompiler`` for this tokenizer, built on first use (in the engine thread)."""
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -155,6 +168,12 @@ class HFEngine(Engine):
 
         for layer in layers or ():
             layer.register_forward_hook(tick)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def info(self) -> ModelInfo:
         if self._info is None:
@@ -356,10 +375,29 @@ class HFEngine(Engine):
                 self._fail(s, self._non_finite(s))
                 continue
             try:
-                self._accept(s, self._sample(logits[i], s))
+                self._step_row(logits[i], s)
             except Exception as e:  # noqa: BLE001 - this row alone
                 log.exception("sampling failed", extra={"request_id": s.request.request_id})
                 self._fail(s, e)
+
+    def _step_row(self, raw: Any, s: _Seq) -> None:
+        """Process one sequence's logits row (penalties, bias, grammar), sample, record its log-probability."""
+        p = s.request.sampling
+        row = raw
+        if logits_ops.needs_processing(p):
+            prompt_ids = (t for g in s.request.segments if isinstance(g, TokenSegment) for t in g.ids)
+            row = logits_ops.process(raw, p, generated=s.generated, counts=s.counts, prompt_ids=prompt_ids,
+                                     eos_ids=self.eos_ids)
+        if s.matcher is not None:
+            row = row.clone() if row is raw else row
+            s.matcher.mask(row)
+            if not bool(self.torch.isfinite(row.max())):
+                raise InternalError("the structured-output constraint allows no token here")
+        token = self._sample(row, s)
+        lp = logits_ops.token_logprob(raw, token, p.logprobs) if p.logprobs is not None else None
+        if s.matcher is not None and not s.matcher.accept(token):
+            raise InternalError("the sampled token breaks the structured-output constraint")
+        self._accept(s, token, lp)
 
     def _take(self, block: bool, room: int) -> list[_Seq] | None:
         out: list[_Seq] = []
@@ -423,6 +461,8 @@ class HFEngine(Engine):
                     s.generator.manual_seed(int(seed))
                 else:
                     s.generator.seed()
+                if s.request.sampling.structured is not None:
+                    s.matcher = self._compiler().matcher(s.request.sampling.structured)
             except Exception as err:  # noqa: BLE001 - this sequence alone
                 log.exception("building the prompt failed", extra={"request_id": s.request.request_id})
                 self._fail(s, err)
@@ -440,15 +480,41 @@ class HFEngine(Engine):
             new_mask[i, length - e.shape[0]:] = 1
         positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
         new_cache = DynamicCache()
+        scored = [s.request.sampling.prompt_logprobs is not None for s in ready]
         out = self.model(
             inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
-            use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=0 if any(scored) else 1,
         )
         for i, s in enumerate(ready):
             s.position = embeds[i].shape[0]
+            if scored[i]:
+                self._score_prompt(s, out.logits[i, length - s.position:], s.position)
         self._sample_rows(out.logits[:, -1, :].float(), ready)
         # Rows that failed stay until ``_drop_finished``: cache rows and sequences stay aligned.
         return new_cache, new_mask, ready
+
+    def _score_prompt(self, s: _Seq, logits: Any, n: int) -> None:
+        """Prompt log-probabilities for ``s`` (token-id prompts only: the worker's validation refuses embeddings);
+        with ``max_tokens == 0`` the sequence ends here, having generated nothing."""
+        ids = [t for g in s.request.segments if isinstance(g, TokenSegment) for t in g.ids]
+        try:
+            s.prompt_lp = logits_ops.prompt_logprobs(logits[: n - 1], ids, s.request.sampling.prompt_logprobs or 0)
+        except Exception as e:  # noqa: BLE001 - this sequence alone
+            log.exception("prompt log-probabilities failed", extra={"request_id": s.request.request_id})
+            self._fail(s, e)
+            return
+        if s.request.sampling.max_tokens == 0 and not s.done:
+            s.done = True
+            self._stats.completed_requests += 1
+            s.emit(GenerationDelta("", (), 0, FinishReason.LENGTH, prompt_logprobs=s.prompt_lp))
+            s.prompt_lp = None
+
+    def _compiler(self) -> Any:
+        if self._structured is None:
+            from embedmesh.core.structured import StructuredCompiler
+
+            self._structured = StructuredCompiler(self.tokenizer, self.info().vocab_size)
+        return self._structured
 
     def _cat_mask(self, a: Any, b: Any) -> Any:
         torch = self.torch
@@ -526,14 +592,19 @@ class HFEngine(Engine):
             return int(torch.argmax(logits))
         return int(torch.multinomial(probs, 1, generator=s.generator))
 
-    def _accept(self, s: _Seq, token: int) -> None:
+    def _accept(self, s: _Seq, token: int, lp: TokenLogprob | None = None) -> None:
         """Record a sampled token, stream its text, finish the sequence if a stop rule fires."""
         p = s.request.sampling
         s.generated.append(token)
+        if lp is not None:
+            s.logprobs.append(lp)
+        if p.frequency_penalty or p.presence_penalty:
+            s.counts[token] = s.counts.get(token, 0) + 1
         s.pending = token
         self._stats.generated_tokens += 1
         finish: FinishReason | None = None
-        if token in self.eos_ids and not p.ignore_eos:
+        grammar_done = s.matcher is not None and s.matcher.is_terminated()
+        if token in self.eos_ids and (not p.ignore_eos or grammar_done):
             finish = FinishReason.STOP
             text, stopped = s.detok.finish()
         else:
@@ -549,6 +620,9 @@ class HFEngine(Engine):
             s.done = True
             self._stats.completed_requests += 1
         if text or finish is not None:
-            ids = tuple(s.generated[s.detok.emitted_tokens:])
+            start = s.detok.emitted_tokens
+            ids = tuple(s.generated[start:])
             s.detok.emitted_tokens = len(s.generated)
-            s.emit(GenerationDelta(text, ids, len(s.generated), finish))
+            lps = tuple(s.logprobs[start:]) if p.logprobs is not None else ()
+            s.emit(GenerationDelta(text, ids, len(s.generated), finish, lps, s.prompt_lp))
+            s.prompt_lp = None
