@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import binascii
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pybase64
 
 from embedmesh.common.v1 import common_pb2
@@ -44,35 +46,45 @@ FINISH = {
 }
 
 # Parameters of OpenAI's API this server does not implement: (is it set to something other than the default?,
-# what to tell the caller). Neutral values (echo=false, best_of=1, penalties of 0) are accepted and ignored.
+# what to tell the caller). Neutral values (best_of=1, suffix="") are accepted and ignored.
 _Check = tuple[Callable[[Any], bool], str]
-_NO_LOGPROBS = "is not supported by this server: it returns no log-probabilities"
-_NO_PENALTY = "is not supported by this server: only 0 (no penalty) is accepted"
 _UNSUPPORTED_COMPLETIONS: dict[str, _Check] = {
-    "echo": (lambda v: v not in (None, False),
-             "is not supported by this server (and an embeddings prompt has no text to echo)"),
     "suffix": (lambda v: v not in (None, ""), "is not supported by this server: it does no insertion (fill-in-the-"
                                               "middle) completion"),
-    "logprobs": (lambda v: v is not None, _NO_LOGPROBS),
-    "prompt_logprobs": (lambda v: v is not None, _NO_LOGPROBS),
     "best_of": (lambda v: v not in (None, 1), "is not supported by this server: only 1 is accepted (use n)"),
-    "logit_bias": (lambda v: bool(v), "is not supported by this server"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
 }
 _UNSUPPORTED_CHAT: dict[str, _Check] = {
-    "logprobs": (lambda v: v not in (None, False), _NO_LOGPROBS),
-    "top_logprobs": (lambda v: v is not None, _NO_LOGPROBS),
-    "logit_bias": (lambda v: bool(v), "is not supported by this server"),
-    "frequency_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
-    "presence_penalty": (lambda v: v not in (None, 0, 0.0), _NO_PENALTY),
-    "tools": (lambda v: bool(v), "is not supported by this server: it does no tool calling"),
-    "functions": (lambda v: bool(v), "is not supported by this server: it does no tool calling"),
-    "response_format": (lambda v: v not in (None, {"type": "text"}), "is not supported by this server: only "
-                                                                     '{"type": "text"} is accepted'),
+    "functions": (lambda v: bool(v), "is not supported by this server: use tools (the functions API is "
+                                     "deprecated)"),
+    "function_call": (lambda v: v is not None, "is not supported by this server: use tool_choice"),
     "audio": (lambda v: v is not None, "is not supported by this server: it generates text only"),
     "modalities": (lambda v: v not in (None, ["text"]), "is not supported by this server: it generates text only"),
+    "prediction": (lambda v: v is not None, "is not supported by this server (no predicted outputs)"),
+    "web_search_options": (lambda v: v is not None, "is not supported by this server (no web search)"),
 }
+
+# Every field a request may carry. Any other is a 400 naming it: nothing a client asks for is silently dropped.
+_SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options",
+    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+})
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+"""Accepted and ignored (they change nothing a client can observe here); listed in docs/openai-fields.md."""
+COMPLETION_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | frozenset(_UNSUPPORTED_COMPLETIONS) | {
+    "prompt", "prompt_embeds", "prompt_embeds_prefix", "echo", "logprobs", "prompt_logprobs",
+}
+CHAT_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | frozenset(_UNSUPPORTED_CHAT) | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+}
+_MAX_LOGPROBS = 20
+
+
+def _unknown_fields(body: dict[str, Any], known: frozenset[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise bad_request(name, "is not a parameter this server knows; remove it (see docs/openai-fields.md "
+                                    "for the accepted ones)", "unknown_parameter")
 
 
 def _is_int(v: Any) -> bool:
@@ -116,9 +128,11 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
     max_tokens = body.get("max_tokens")
     if chat and body.get("max_completion_tokens") is not None:
         max_name, max_tokens = "max_completion_tokens", body["max_completion_tokens"]
+    # max_tokens 0 scores the prompt only (echo), as OpenAI's completions allow.
+    lowest = 0 if not chat and body.get("echo") is True else 1
     if max_tokens is not None:
-        if not _is_int(max_tokens) or not 1 <= max_tokens <= _UINT32_MAX:
-            raise bad_request(max_name, "must be an integer >= 1", "invalid_type" if not _is_int(max_tokens)
+        if not _is_int(max_tokens) or not lowest <= max_tokens <= _UINT32_MAX:
+            raise bad_request(max_name, f"must be an integer >= {lowest}", "invalid_type" if not _is_int(max_tokens)
                               else "invalid_value")
         s.max_tokens = max_tokens
     temperature = body.get("temperature")
@@ -155,10 +169,133 @@ def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
         if not isinstance(ignore_eos, bool):
             raise bad_request("ignore_eos", "must be a boolean", "invalid_type")
         s.ignore_eos = ignore_eos
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        value = body.get(name)
+        if value is not None:
+            if not _is_num(value) or not low <= value <= high:
+                raise bad_request(name, f"must be a number in [{low:g}, {high:g}]", "invalid_value")
+            if value:
+                setattr(s, name, float(value))
+    rep = body.get("repetition_penalty")
+    if rep is not None:
+        if not _is_num(rep) or not 0 < rep <= 2:
+            raise bad_request("repetition_penalty", "must be a number in (0, 2] (1 = none)", "invalid_value")
+        if rep != 1:
+            s.repetition_penalty = float(rep)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= _UINT32_MAX:
+            raise bad_request("min_tokens", "must be an integer >= 0", "invalid_value")
+        if min_tokens:
+            s.min_tokens = min_tokens
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad_request("logit_bias", 'must be an object mapping token ids to a bias, like {"50256": -100}',
+                              "invalid_type")
+        if len(bias) > 300:
+            raise bad_request("logit_bias", "may hold at most 300 token ids", "invalid_value")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise bad_request("logit_bias", f"key {key!r} is not a token id (an integer)", "invalid_value") \
+                    from None
+            if not 0 <= token < 2**31:
+                raise bad_request("logit_bias", f"token id {key} is outside the vocabulary", "invalid_value")
+            if not _is_num(value) or not -100 <= value <= 100:
+                raise bad_request("logit_bias", f"the bias of token {key} must be a number in [-100, 100]",
+                                  "invalid_value")
+            s.logit_bias[token] = float(value)
+    _structured(body, s)
     return s
 
 
+def _schema_text(value: Any, param: str) -> str:
+    """A JSON schema (object, or JSON text of one) checked as a schema -> its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)
+        except orjson.JSONDecodeError:
+            raise bad_request(param, "must be a JSON schema (an object, or a string of JSON)", "invalid_value") \
+                from None
+    if not isinstance(value, dict):
+        raise bad_request(param, "must be a JSON schema (an object)", "invalid_type")
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a base dependency; the preprocessor checks again regardless
+        pass
+    else:
+        try:
+            jsonschema.Draft202012Validator.check_schema(value)
+        except jsonschema.SchemaError as e:
+            raise bad_request(param, f"is not a valid JSON schema: {e.message}", "invalid_schema") from None
+    return orjson.dumps(value).decode()
+
+
+def _structured(body: dict[str, Any], s: common_pb2.SamplingParams) -> None:
+    """response_format, vLLM's structured_outputs and its older guided_* fields -> one StructuredOutput."""
+    found: list[str] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format", 'must be {"type": "text"}, {"type": "json_object"} or '
+                                                 '{"type": "json_schema", "json_schema": {...}}', "invalid_value")
+        if fmt["type"] == "json_object":
+            s.structured.json_object = True
+            found.append("response_format")
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad_request("response_format.json_schema.schema", "is required: the JSON schema the output "
+                                  "must follow", "missing")
+            s.structured.json_schema = _schema_text(spec["schema"], "response_format.json_schema.schema")
+            found.append("response_format")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs", "must be an object with one of json, regex, choice, grammar, "
+                                                    "json_object", "invalid_type")
+        set_keys = [k for k, v in so.items() if v is not None and v is not False]
+        for k in set_keys:
+            if k not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise bad_request(f"structured_outputs.{k}", "is not a constraint this server knows (json, regex, "
+                                  "choice, grammar, json_object)", "unknown_parameter")
+        if len(set_keys) > 1:
+            raise bad_request("structured_outputs", "must set exactly one of json, regex, choice, grammar, "
+                                                    "json_object", "invalid_value")
+        found += [f"structured_outputs.{k}" for k in set_keys]
+        for k in set_keys:
+            _constraint(k, so[k], f"structured_outputs.{k}", s)
+    for legacy, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                         ("guided_grammar", "grammar")):
+        if body.get(legacy) is not None:
+            found.append(legacy)
+            _constraint(kind, body[legacy], legacy, s)
+    if len(found) > 1:
+        raise bad_request(found[1], f"cannot be combined with {found[0]}: give one output constraint",
+                          "invalid_value")
+
+
+def _constraint(kind: str, value: Any, param: str, s: common_pb2.SamplingParams) -> None:
+    if kind == "json":
+        s.structured.json_schema = _schema_text(value, param)
+    elif kind == "json_object":
+        if value is not True:
+            raise bad_request(param, "must be true", "invalid_value")
+        s.structured.json_object = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
+            raise bad_request(param, "must be a non-empty list of non-empty strings", "invalid_value")
+        s.structured.choice.values.extend(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise bad_request(param, "must be a non-empty string", "invalid_value")
+        setattr(s.structured, kind, value)
+
+
 def _common(body: dict[str, Any], unsupported: dict[str, _Check], chat: bool) -> tuple[str, int | None]:
+    _unknown_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "is required (a served model name; see GET /v1/models)", "missing")
@@ -183,7 +320,20 @@ def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
     params = inference_pb2.CompletionParams(model=model, sampling=_sampling(body, chat=False))
     if n is not None:
         params.n = n
+    echo = body.get("echo")
+    if echo is not None:
+        if not isinstance(echo, bool):
+            raise bad_request("echo", "must be a boolean", "invalid_type")
+        params.echo = echo
+    for name in ("logprobs", "prompt_logprobs"):
+        k = body.get(name)
+        if k is not None:
+            if not _is_int(k) or not 0 <= k <= _MAX_LOGPROBS:
+                raise bad_request(name, f"must be an integer in [0, {_MAX_LOGPROBS}]", "invalid_value")
+            setattr(params.sampling, name, k)
     embeds = body.get("prompt_embeds")
+    if embeds == [] and body.get("prompt") not in (None, "", []):
+        embeds = None  # vLLM: an empty list beside a text prompt means no embeddings
     if embeds is not None:
         items = [embeds] if isinstance(embeds, str | dict) else embeds
         if not isinstance(items, list) or not items:
@@ -233,6 +383,17 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
     params = inference_pb2.ChatParams(model=model, sampling=_sampling(body, chat=True))
     if n is not None:
         params.n = n
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs", "must be a boolean (use top_logprobs for alternatives)", "invalid_type")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= _MAX_LOGPROBS:
+            raise bad_request("top_logprobs", f"must be an integer in [0, {_MAX_LOGPROBS}]", "invalid_value")
+        if logprobs is not True:
+            raise bad_request("top_logprobs", "needs logprobs: true", "invalid_value")
+    if logprobs:
+        params.sampling.logprobs = top or 0
+    _tools(body, params)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "must be a non-empty list of messages", "invalid_value")
@@ -246,6 +407,29 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
         if name is not None and not isinstance(name, str):
             raise bad_request(f"messages[{i}].name", "must be a string", "invalid_type")
         msg = inference_pb2.ChatMessage(role=role, name=name or "")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad_request(f"messages[{i}].tool_calls", "must be a list, on an assistant message",
+                                  "invalid_value")
+            for j, call in enumerate(calls):
+                where = f"messages[{i}].tool_calls[{j}]"
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                    raise bad_request(f"{where}.function.name", "is required", "missing")
+                args = fn.get("arguments", "{}")
+                if not isinstance(args, str):
+                    raise bad_request(f"{where}.function.arguments", "must be a string of JSON", "invalid_type")
+                cid = call.get("id", "")
+                if not isinstance(cid, str):
+                    raise bad_request(f"{where}.id", "must be a string", "invalid_type")
+                msg.tool_calls.append(inference_pb2.ToolCall(id=cid, name=fn["name"], arguments=args))
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise bad_request(f"messages[{i}].tool_call_id", "is required for a tool message: the id of the "
+                                  "call it answers", "missing")
+            msg.tool_call_id = cid
         content = m.get("content")
         if isinstance(content, str):
             msg.parts.append(inference_pb2.ChatContentPart(text=content))
@@ -277,6 +461,62 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
             raise bad_request(f"messages[{i}].content", "must be a string or a list of content parts", "invalid_type")
         params.messages.append(msg)
     return params
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _tools(body: dict[str, Any], params: inference_pb2.ChatParams) -> None:
+    tools = body.get("tools")
+    names: list[str] = []
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools", "must be a list of {\"type\": \"function\", \"function\": {...}}",
+                              "invalid_type")
+        for i, t in enumerate(tools):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type", "function") != "function":
+                raise bad_request(f"{where}.type", 'must be "function"', "invalid_value")
+            fn = t.get("function")
+            if not isinstance(fn, dict):
+                raise bad_request(f"{where}.function", "is required", "missing")
+            name = fn.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.match(name):
+                raise bad_request(f"{where}.function.name", "is required: 1-64 letters, digits, '_' or '-'",
+                                  "missing" if name is None else "invalid_value")
+            if name in names:
+                raise bad_request(f"{where}.function.name", f"{name!r} is given twice", "invalid_value")
+            names.append(name)
+            description = fn.get("description", "")
+            if not isinstance(description, str):
+                raise bad_request(f"{where}.function.description", "must be a string", "invalid_type")
+            parameters = fn.get("parameters")
+            schema = _schema_text(parameters, f"{where}.function.parameters") if parameters is not None else ""
+            strict = fn.get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad_request(f"{where}.function.strict", "must be a boolean", "invalid_type")
+            params.tools.append(inference_pb2.Tool(name=name, description=description, parameters_json=schema,
+                                                   strict=bool(strict)))
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                                             "\"function\": {\"name\": ...}}", "invalid_value")
+        if choice != "none" and not names:
+            raise bad_request("tool_choice", f"{choice!r} needs tools", "invalid_value")
+        params.tool_choice.mode = choice
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice", "must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                                         "\"function\": {\"name\": ...}}", "invalid_value")
+    if name not in names:
+        raise bad_request("tool_choice", f"names the function {name!r}, which is not among the tools",
+                          "invalid_value")
+    params.tool_choice.function = name
 
 
 def usage_json(u: common_pb2.Usage) -> dict[str, int]:

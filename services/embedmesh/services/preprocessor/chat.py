@@ -24,6 +24,7 @@ import numpy as np
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_context
+from embedmesh.services.preprocessor.tools import ToolSpec
 
 __all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "ROLES"]
 
@@ -72,10 +73,15 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
+        self.knows_tools = "tools" in source
+        """Whether the template renders a ``tools`` list itself (else tools are described in the system message)."""
         self._special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self._special, **extra)
 
 
 def _token_text(value: Any) -> str:
@@ -91,6 +97,7 @@ def build_chat_prompt(
     tokenizer: Tokenizer,
     spec: ModelSpec,
     max_tokens: int,
+    tools: ToolSpec | None = None,
 ) -> Prompt:
     """Validate the conversation, render it, and return the prompt as ids and embedding rows in order."""
     if not messages:
@@ -123,7 +130,16 @@ def build_chat_prompt(
         if m.name:
             entry["name"] = m.name
         rendered_messages.append(entry)
-    rendered = template.render(rendered_messages)
+    openai_tools = None
+    if tools is not None:
+        if template.knows_tools:
+            openai_tools = [t.openai() for t in tools.tools]
+        elif rendered_messages[0]["role"] == "system":
+            first = rendered_messages[0]
+            rendered_messages[0] = {**first, "content": f"{first['content']}\n\n{tools.system_text()}"}
+        else:
+            rendered_messages.insert(0, {"role": "system", "content": tools.system_text()})
+    rendered = template.render(rendered_messages, tools=openai_tools)
     pieces: list[Piece] = []
     pattern = re.compile(rf"<\|embedmesh:{nonce}:(\d+)\|>")
     pos = 0

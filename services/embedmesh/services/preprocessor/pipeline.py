@@ -26,8 +26,9 @@ from embedmesh.core import tensors
 from embedmesh.core.block_hash import block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
-from embedmesh.core.sampling import SamplingParams, choice_seed
+from embedmesh.core.sampling import SamplingParams, choice_seed, sampling_to_proto
 from embedmesh.services.preprocessor.prompts import Prompt
+from embedmesh.services.preprocessor.tools import ToolSpec
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
 from embedmesh.services.router.route_client import RouteClient
 from embedmesh.worker.v1 import worker_pb2
@@ -57,6 +58,10 @@ class Job:
     sampling: SamplingParams
     n: int
     model_dtype: int
+    echo: tuple[str, ...] | None = None
+    """With ``echo``: each prompt's text, put before its choices' text."""
+    tools: ToolSpec | None = None
+    """Chat with tools that may be called: the output is parsed into tool calls."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,10 @@ class Delta:
     token_ids: tuple[int, ...]
     finish_reason: int
     """common_pb2.FinishReason; UNSPECIFIED until the choice's last delta."""
+    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
+    """One per token id, when the request asked for log-probabilities."""
+    prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
+    """On the choice's first delta, when the request asked for the prompt's."""
 
 
 @dataclass(frozen=True)
@@ -83,17 +92,6 @@ def _segments(prompt: Prompt, dtype: int) -> list[worker_pb2.PromptSegment]:
     ]
 
 
-def _sampling_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=list(s.stop), ignore_eos=s.ignore_eos
-    )
-    if s.top_k:
-        p.top_k = s.top_k
-    if s.seed is not None:
-        p.seed = s.seed
-    return p
-
-
 async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None) -> AsyncIterator[Delta | Usage]:
     """Yield deltas as workers produce them, then one Usage."""
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
@@ -109,7 +107,7 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
             req = worker_pb2.GenerateRequest(
                 request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
                 segments=segment,
-                sampling=_sampling_proto(sampling),
+                sampling=sampling_to_proto(sampling),
             )
             pick = _picker(pool, router, job.model, hashes, len(job.prompts[p_index]), req.request_id)
             tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.model)))
@@ -126,7 +124,8 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
             if first is None and resp.token_ids:
                 first = time.perf_counter()
                 TTFT.labels(job.model).observe(first - t0)
-            yield Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason)
+            yield Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason, tuple(resp.logprobs),
+                        tuple(resp.prompt_logprobs))
             if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 remaining -= 1
                 completion += resp.completion_tokens

@@ -118,6 +118,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def decode(self, ids: tuple[int, ...] | list[int]) -> str:
+        """Text of token ids, special tokens included (what ``echo`` shows for a token-id prompt)."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
 
 async def build_prompts(
     *,

@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -17,8 +18,9 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.auth import current_principal, limiter
 from embedmesh.core.errors import InvalidArgument, Unavailable
-from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.sampling import SamplingParams, Structured, sampling_from_proto
 from embedmesh.core.server import mesh_channel
+from embedmesh.core.structured import check_structured
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
@@ -27,8 +29,10 @@ from embedmesh.services.preprocessor.embeddings import embed_inputs
 from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds, Tokenizer, build_prompts
+from embedmesh.services.preprocessor.tools import ToolParser, call_text, tool_response_text, tools_from_proto
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import RouteClient
+from embedmesh.services.worker.validate import check_sampling_for_model
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["InferenceServicer", "Admission"]
@@ -88,9 +92,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                                   field="model", reason="WRONG_TASK")
         return info
 
+    def _sampling(self, p: common_pb2.SamplingParams, info: worker_pb2.GetInfoResponse, *,
+                  echo: bool = False) -> SamplingParams:
+        """Resolve sampling and apply the model-dependent rules before any work (the worker applies them again)."""
+        sampling = sampling_from_proto(p, allow_zero_max_tokens=echo)
+        check_sampling_for_model(sampling, info.vocab_size)
+        if sampling.structured is not None:
+            check_structured(sampling.structured, _structured_field(sampling.structured))
+        if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
+            # Echo with log-probabilities: the prompt's tokens are scored too (loglikelihood evaluation).
+            sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+        return sampling
+
     async def _job(self, params: inference_pb2.CompletionParams) -> Job:
         info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
-        sampling = sampling_from_proto(params.sampling)
+        sampling = self._sampling(params.sampling, info, echo=params.echo)
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument(f"n must be in [1, {self.config.max_n}]", field="n", reason="OUT_OF_RANGE")
@@ -111,12 +127,37 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             max_prompts=self.config.max_prompts,
             prefix=_raw_embeds(params.prefix, "prompt_embeds_prefix") if params.HasField("prefix") else None,
         )
+        with_embeds = bool(raw) or params.HasField("prefix")
+        if with_embeds and params.echo:
+            raise InvalidArgument("echo: a prompt made of embeddings has no text to echo; send a text or token-id "
+                                  "prompt to use echo", field="echo", reason="ECHO_WITH_EMBEDS")
+        if with_embeds and sampling.prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs: log-probabilities of the prompt need token ids; embedding rows "
+                                  "have no token to score", field="prompt_logprobs",
+                                  reason="PROMPT_LOGPROBS_WITH_EMBEDS")
+        echo = None
+        if params.echo:
+            token_prompts = [list(t.ids) for t in params.prompt_token_ids]
+            texts = [t for t in params.prompts if t != ""] if token_prompts else list(params.prompts)
+            echo = tuple([self.tokenizer.decode(ids) for ids in token_prompts] + texts)
         rid = params.request_id or f"cmpl-{uuid.uuid4().hex}"
-        return Job(rid, params.model, prompts, sampling, n, info.dtype)
+        return Job(rid, params.model, prompts, sampling, n, info.dtype, echo=echo)
 
     async def _chat_job(self, params: inference_pb2.ChatParams) -> Job:
         info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
-        sampling = sampling_from_proto(params.sampling)
+        sampling = self._sampling(params.sampling, info)
+        if sampling.prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs is not available for chat; use /v1/completions with the "
+                                  "rendered prompt", field="prompt_logprobs", reason="UNSUPPORTED")
+        tools = tools_from_proto(params)
+        if tools is not None and tools.constrained:
+            if sampling.structured is not None:
+                raise InvalidArgument("tool_choice: a required or named tool call cannot be combined with "
+                                      "response_format or structured_outputs", field="tool_choice",
+                                      reason="CONFLICT")
+            constraint = tools.constraint()
+            check_structured(constraint, "tools")
+            sampling = replace(sampling, structured=constraint)
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
             raise InvalidArgument(f"n must be in [1, {self.config.max_n}]", field="n", reason="OUT_OF_RANGE")
@@ -129,23 +170,58 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if part.WhichOneof("kind") == "prompt_embeds":
                     field = f"messages[{i}].content[{j}]"
                     parts.append(ChatPart(embeds=await resolve(_raw_embeds(part.prompt_embeds, field), field)))
+                elif m.role == "tool":
+                    parts.append(ChatPart(text=tool_response_text(part.text)))
                 else:
                     parts.append(ChatPart(text=part.text))
+            if m.role == "tool" and not m.tool_call_id:
+                raise InvalidArgument(f"messages[{i}].tool_call_id is required for a tool message",
+                                      field=f"messages[{i}].tool_call_id", reason="REQUIRED")
+            parts.extend(ChatPart(text=call_text(c.name, c.arguments)) for c in m.tool_calls)
             messages.append(ChatMessage(m.role, tuple(parts), m.name))
         prompt = await asyncio.to_thread(
             build_chat_prompt, messages, template=self.template, tokenizer=self.tokenizer, spec=spec,
-            max_tokens=sampling.max_tokens,
+            max_tokens=sampling.max_tokens, tools=tools,
         )
         rid = params.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        return Job(rid, params.model, [prompt], sampling, n, info.dtype)
+        return Job(rid, params.model, [prompt], sampling, n, info.dtype, tools=tools)
+
+    async def _items(self, job: Job) -> AsyncIterator[Delta | Usage]:
+        """The job's deltas and usage; ``max_tokens: 0`` without prompt scoring needs no worker (echo only)."""
+        if job.sampling.max_tokens == 0 and job.sampling.prompt_logprobs is None:
+            for index in range(len(job.prompts) * job.n):
+                yield Delta(index, "", (), common_pb2.FINISH_REASON_LENGTH)
+            yield Usage(sum(len(p) for p in job.prompts), 0)
+            return
+        async for item in run_job(job, self.pool, self.router):
+            yield item
 
     async def _stream(self, job: Job, cls: Any) -> AsyncIterator[Any]:
-        async for item in run_job(job, self.pool, self.router):
-            if isinstance(item, Delta):
-                yield cls(id=job.request_id, model=job.model, index=item.index, text=item.text,
-                          token_ids=item.token_ids, finish_reason=item.finish_reason)
-            else:
+        started: set[int] = set()
+        held: dict[int, list[Delta]] = {}
+        parser = ToolParser(job.tools) if job.tools is not None else None
+        async for item in self._items(job):
+            if not isinstance(item, Delta):
                 yield cls(id=job.request_id, model=job.model, usage=_usage(item))
+                continue
+            text = item.text
+            if job.echo is not None and item.index not in started:
+                text = job.echo[item.index // job.n] + text
+            started.add(item.index)
+            msg = cls(id=job.request_id, model=job.model, index=item.index, text=text, token_ids=item.token_ids,
+                      finish_reason=item.finish_reason, logprobs=item.logprobs,
+                      prompt_logprobs=item.prompt_logprobs)
+            if parser is None:
+                yield msg
+                continue
+            # With tools the choice is sent whole at its end, its calls parsed (one message per choice).
+            held.setdefault(item.index, []).append(item)
+            if item.finish_reason:
+                parts = held.pop(item.index)
+                rest, calls = parser.parse("".join(d.text for d in parts))
+                yield cls(id=job.request_id, model=job.model, index=item.index, text=rest,
+                          token_ids=[t for d in parts for t in d.token_ids], finish_reason=item.finish_reason,
+                          logprobs=[lp for d in parts for lp in d.logprobs], tool_calls=calls)
 
     async def StreamComplete(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.StreamCompleteRequest, context: grpc.aio.ServicerContext
@@ -175,28 +251,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _collect(self, job: Job, cls: Any) -> Any:
         count = len(job.prompts) * job.n
+        choices = [inference_pb2.Choice(index=i) for i in range(count)]
         texts: list[list[str]] = [[] for _ in range(count)]
-        ids: list[list[int]] = [[] for _ in range(count)]
-        finish = [common_pb2.FINISH_REASON_UNSPECIFIED] * count
         usage = None
-        async for item in run_job(job, self.pool, self.router):
+        async for item in self._items(job):
             if isinstance(item, Delta):
+                c = choices[item.index]
                 texts[item.index].append(item.text)
-                ids[item.index].extend(item.token_ids)
+                c.token_ids.extend(item.token_ids)
+                c.logprobs.extend(item.logprobs)
+                c.prompt_logprobs.extend(item.prompt_logprobs)
                 if item.finish_reason:
-                    finish[item.index] = item.finish_reason
+                    c.finish_reason = item.finish_reason
             else:
                 usage = item
         assert usage is not None
-        return cls(
-            id=job.request_id,
-            model=job.model,
-            choices=[
-                inference_pb2.Choice(index=i, text="".join(texts[i]), token_ids=ids[i], finish_reason=finish[i])
-                for i in range(count)
-            ],
-            usage=_usage(usage),
-        )
+        parser = ToolParser(job.tools) if job.tools is not None else None
+        for i, c in enumerate(choices):
+            c.text = (job.echo[i // job.n] if job.echo is not None else "") + "".join(texts[i])
+            if parser is not None:
+                c.text, calls = parser.parse(c.text)
+                c.tool_calls.extend(calls)
+        return cls(id=job.request_id, model=job.model, choices=choices, usage=_usage(usage))
 
     async def Embed(  # noqa: N802
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -296,3 +372,10 @@ def _usage(u: Usage) -> common_pb2.Usage:
         prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
         total_tokens=u.prompt_tokens + u.completion_tokens,
     )
+
+
+def _structured_field(s: Structured) -> str:
+    """The request field a constraint came from, as clients spell it (the gateway maps OpenAI's names onto it)."""
+    return {"json_schema": "response_format.json_schema.schema", "json_object": "response_format",
+            "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
+            "grammar": "structured_outputs.grammar"}[s.kind]
