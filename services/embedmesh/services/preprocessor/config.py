@@ -48,7 +48,14 @@ class PreprocessorConfig:
     """On SIGTERM: how long in-flight calls may finish before the worker channels close
     (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
 
+    tool_call_parser: str = "hermes"
+    """How tool calls are read from the model's output (``preprocessor/tools.py``; vLLM's flag name)."""
+
     def __post_init__(self) -> None:
+        from embedmesh.services.preprocessor.tools import PARSERS
+
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.workers:
@@ -94,13 +101,19 @@ class PreprocessorConfig:
         p.add_argument("--drain-seconds", type=float,
                        default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", cls.drain_seconds)),
                        help="on SIGTERM, how long in-flight calls may finish")
+        p.add_argument("--tool-call-parser", default=env.get("EMBEDMESH_TOOL_CALL_PARSER", cls.tool_call_parser),
+                       help="format of tool calls in the model's output: hermes (<tool_call>{...}</tool_call>)")
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-        return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
-                   metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes, redis_url=a.redis_url,
-                   upload_ttl_seconds=a.upload_ttl,
-                   routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
-                   max_inflight=a.max_inflight, drain_seconds=a.drain_seconds)
+        try:
+            return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
+                       metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes,
+                       redis_url=a.redis_url, upload_ttl_seconds=a.upload_ttl,
+                       routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
+                       max_inflight=a.max_inflight, drain_seconds=a.drain_seconds,
+                       tool_call_parser=a.tool_call_parser)
+        except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback
+            p.error(str(e))
 
     def describe(self) -> dict[str, object]:
         return asdict(self)
