@@ -136,3 +136,53 @@ def test_disconnect_aborts_in_vllm(vmesh: Mesh) -> None:
     assert after.active_requests == 0
     assert after.aborted_requests == before.aborted_requests + 1
     assert after.generated_tokens - before.generated_tokens < 500
+
+
+# --- the OpenAI surface on vLLM: its own log-probabilities and structured outputs, passed through ----------------
+
+
+def _rows(hf_model: Any, ids: list[int]) -> Any:  # noqa: F811
+    import torch
+
+    model, _ = hf_model
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_vllm_logprobs_and_echo_scoring_match_transformers(vclient: Any, hf_model: Any) -> None:  # noqa: F811
+    _, tok = hf_model
+    ids = tok(TEXT).input_ids
+    r = greedy(vclient, prompt=TEXT, max_tokens=3, logprobs=3)
+    lp = r.choices[0].logprobs
+    out = tok(r.choices[0].text, add_special_tokens=False).input_ids
+    rows = _rows(hf_model, ids + out)
+    for i, t in enumerate(out[:3]):
+        assert lp.token_logprobs[i] == pytest.approx(float(rows[len(ids) - 1 + i][t]), abs=1e-3)
+        assert len(lp.top_logprobs[i]) >= 3
+    scored = vclient.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                        temperature=0)
+    s = scored.choices[0].logprobs
+    assert scored.choices[0].text == tok.decode(ids) and s.token_logprobs[0] is None
+    rows = _rows(hf_model, ids)
+    for t in range(1, len(ids)):
+        assert s.token_logprobs[t] == pytest.approx(float(rows[t - 1][ids[t]]), abs=1e-3)
+
+
+def test_vllm_structured_outputs_and_logit_bias(vclient: Any, hf_model: Any) -> None:  # noqa: F811
+    import json
+
+    import jsonschema
+
+    _, tok = hf_model
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = vclient.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "JSON please"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = greedy(vclient, prompt="Is the sky blue?", max_tokens=5,
+               extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+    forced = tok(" banana").input_ids[0]
+    r = greedy(vclient, prompt=TEXT, max_tokens=2, logit_bias={str(forced): 100})
+    assert r.choices[0].text == tok.decode([forced] * 2)

@@ -45,6 +45,8 @@ class Script:
     """Raised by the next Complete/StreamComplete/ListModels before anything is sent."""
     choices: list[tuple[str, int]] = field(default_factory=lambda: [("Hello there", STOP)])
     """(text, finish reason) of Complete's choices."""
+    choice_protos: list[Any] | None = None
+    """Whole ``Choice`` messages for Complete/Chat instead of ``choices`` (log-probabilities, tool calls)."""
     stream: list[Any] = field(default_factory=lambda: [
         delta(0, "Hel"), delta(1, "Wor"), delta(0, "lo"), delta(1, "ld", LENGTH), delta(0, "", STOP),
         usage_event(3, 4)])
@@ -73,6 +75,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
         return [r for m, r in self.requests if m == method][-1]
 
     def _choices(self) -> list[inference_pb2.Choice]:
+        if self.script.choice_protos is not None:
+            return list(self.script.choice_protos)
         return [inference_pb2.Choice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(self.script.choices)]
 
     async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802

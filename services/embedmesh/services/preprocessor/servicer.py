@@ -260,7 +260,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 texts[item.index].append(item.text)
                 c.token_ids.extend(item.token_ids)
                 c.logprobs.extend(item.logprobs)
-                c.prompt_logprobs.extend(item.prompt_logprobs)
+                if not len(c.prompt_logprobs):  # the first delta carries them; never count them twice
+                    c.prompt_logprobs.extend(item.prompt_logprobs)
                 if item.finish_reason:
                     c.finish_reason = item.finish_reason
             else:

@@ -98,6 +98,28 @@ def test_sampling_mapping() -> None:
         "top_k"] == 5
 
 
+def test_openai_surface_mapping() -> None:
+    from embedmesh.core.sampling import Structured
+    from embedmesh.services.worker.engines.sglang_engine import delta_from_output, logprob_fields
+
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_tokens=3,
+                       logit_bias=((7, -100.0),), structured=Structured("choice", ("a.b", "c")), logprobs=2)
+    s = sampling_to_sglang(p)
+    assert (s["presence_penalty"], s["frequency_penalty"], s["repetition_penalty"], s["min_new_tokens"]) == (
+        0.5, -1.0, 1.2, 3)
+    assert s["logit_bias"] == {"7": -100.0} and s["regex"] == r"(a\.b|c)"
+    assert sampling_to_sglang(SamplingParams(structured=Structured("json_object")))["json_schema"] == \
+        '{"type": "object"}'
+    assert logprob_fields(p) == {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": -1}
+    assert logprob_fields(SamplingParams()) == {}
+    assert logprob_fields(SamplingParams(prompt_logprobs=0))["logprob_start_len"] == 0
+    d = delta_from_output({"text": "hi", "output_ids": [5], "meta_info": {
+        "completion_tokens": 1, "output_token_logprobs": [(-0.5, 5, None)],
+        "output_top_logprobs": [[(-0.1, 9, None), (-0.5, 5, None)]]}})
+    assert d.logprobs[0].token_id == 5 and d.logprobs[0].logprob == -0.5
+    assert d.logprobs[0].top == ((9, -0.1), (5, -0.5))
+
+
 TABLE = np.arange(40, dtype=np.float32).reshape(10, 4)
 
 

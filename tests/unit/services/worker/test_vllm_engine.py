@@ -280,3 +280,26 @@ def test_sleep_without_sleep_mode_fails_clearly_and_keeps_serving(monkeypatch: p
         return await e.generate(req(TokenSegment((1,)))).__anext__()
 
     assert asyncio.run(run()).finish_reason is FinishReason.STOP
+
+
+def test_openai_surface_maps_onto_vllm_and_back() -> None:
+    from types import SimpleNamespace
+
+    from embedmesh.core.sampling import Structured
+    from embedmesh.services.worker.engines.vllm_engine import _logprobs, _prompt_logprobs, _vllm_structured
+
+    assert _vllm_structured(Structured("json_schema", '{"type": "object"}')) == {"json": '{"type": "object"}'}
+    assert _vllm_structured(Structured("choice", ("a", "b"))) == {"choice": ["a", "b"]}
+    assert _vllm_structured(Structured("json_object")) == {"json_object": True}
+    assert _vllm_structured(Structured("grammar", "root ::= 'x'")) == {"grammar": "root ::= 'x'"}
+
+    def lp(value: float, rank: int) -> SimpleNamespace:
+        return SimpleNamespace(logprob=value, rank=rank, decoded_token="")
+
+    # vLLM's position dict: the top k by rank plus the sampled token (rank 7 here, outside the top 2).
+    sample = [{3: lp(-0.1, 1), 4: lp(-0.2, 2), 9: lp(-3.0, 7)}]
+    (entry,) = _logprobs(sample, [9], 2)
+    assert entry.token_id == 9 and entry.logprob == -3.0
+    assert entry.top == ((3, -0.1), (4, -0.2), (9, -3.0))
+    prompt = _prompt_logprobs([None, {5: lp(-1.5, 3), 3: lp(-0.1, 1)}], [2, 5], 1)
+    assert prompt[0].logprob is None and prompt[1].logprob == -1.5 and prompt[1].top == ((3, -0.1), (5, -1.5))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,6 +47,7 @@ from embedmesh.services.worker.engines.base import (
     GenerationRequest,
     ModelInfo,
     Segment,
+    TokenLogprob,
     TokenSegment,
 )
 from embedmesh.services.worker.engines.hf_embed import InputEncoder, check_dimensions, read_pooling_spec, shorten
@@ -138,6 +140,40 @@ def sampling_to_sglang(s: SamplingParams) -> dict[str, Any]:
         out["stop"] = list(s.stop)
     if s.seed is not None:
         out["sampling_seed"] = s.seed
+    if s.presence_penalty:
+        out["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        out["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        out["repetition_penalty"] = s.repetition_penalty
+    if s.min_tokens:
+        out["min_new_tokens"] = s.min_tokens
+    if s.logit_bias:
+        out["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    st = s.structured
+    if st is not None:
+        # SGLang's grammar backend (xgrammar by default) takes a JSON schema, a regex or an EBNF grammar.
+        if st.kind == "json_schema":
+            out["json_schema"] = str(st.value)
+        elif st.kind == "json_object":
+            out["json_schema"] = '{"type": "object"}'
+        elif st.kind == "choice":
+            out["regex"] = "(" + "|".join(re.escape(v) for v in st.value) + ")"
+        elif st.kind == "regex":
+            out["regex"] = str(st.value)
+        else:
+            out["ebnf"] = str(st.value)
+    return out
+
+
+def logprob_fields(s: SamplingParams) -> dict[str, Any]:
+    """``GenerateReqInput`` fields asking SGLang for log-probabilities (of the output, and of the prompt from its
+    first token when prompt log-probabilities are wanted)."""
+    if s.logprobs is None and s.prompt_logprobs is None:
+        return {}
+    k = max(s.logprobs or 0, s.prompt_logprobs or 0)
+    out: dict[str, Any] = {"return_logprob": True, "top_logprobs_num": k}
+    out["logprob_start_len"] = 0 if s.prompt_logprobs is not None else -1
     return out
 
 
@@ -172,7 +208,8 @@ def generate_request(request: GenerationRequest,
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     return GenerateReqInput(rid=request.request_id, sampling_params=sampling_to_sglang(request.sampling),
-                            stream=True, **prompt_fields(request.segments, embed_tokens))
+                            stream=True, **logprob_fields(request.sampling),
+                            **prompt_fields(request.segments, embed_tokens))
 
 
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORT}
@@ -187,8 +224,28 @@ def delta_from_output(chunk: dict[str, Any]) -> GenerationDelta:
         reason = _FINISH.get(str(finish.get("type")), FinishReason.STOP)
     elif finish:
         reason = _FINISH.get(str(finish), FinishReason.STOP)
-    return GenerationDelta(text=chunk.get("text") or "", token_ids=tuple(chunk.get("output_ids") or ()),
-                           completion_tokens=int(meta.get("completion_tokens", 0)), finish_reason=reason)
+    ids = tuple(chunk.get("output_ids") or ())
+    lps = _sglang_logprobs(meta.get("output_token_logprobs"), meta.get("output_top_logprobs"), len(ids))
+    prompt = meta.get("input_token_logprobs")
+    prompt_lps = _sglang_logprobs(prompt, meta.get("input_top_logprobs"), len(prompt)) if prompt else None
+    return GenerationDelta(text=chunk.get("text") or "", token_ids=ids,
+                           completion_tokens=int(meta.get("completion_tokens", 0)), finish_reason=reason,
+                           logprobs=lps, prompt_logprobs=prompt_lps)
+
+
+def _sglang_logprobs(chosen: Any, tops: Any, n: int) -> tuple[TokenLogprob, ...]:
+    """SGLang's (logprob, token id, text) triples (the last ``n``: this chunk's) -> TokenLogprob, top k + chosen."""
+    if not chosen:
+        return ()
+    chosen = list(chosen)[-n:] if n else []
+    tops = list(tops or [])[-n:] if n else []
+    out = []
+    for i, (value, token, *_rest) in enumerate(chosen):
+        alts = [(int(t), float(v)) for v, t, *_ in (tops[i] if i < len(tops) and tops[i] else [])]
+        if value is not None and all(t != token for t, _ in alts):
+            alts.append((int(token), float(value)))
+        out.append(TokenLogprob(int(token), None if value is None else float(value), tuple(alts)))
+    return tuple(out)
 
 
 class _EmbeddingTable:

@@ -32,6 +32,7 @@ import numpy as np
 
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
+from embedmesh.core.sampling import Structured
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     Engine,
@@ -40,6 +41,7 @@ from embedmesh.services.worker.engines.base import (
     GenerationDelta,
     GenerationRequest,
     ModelInfo,
+    TokenLogprob,
     TokenSegment,
 )
 from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
@@ -97,6 +99,8 @@ class VLLMEngine(Engine):
         self._info: ModelInfo | None = None
         self._stats = EngineStats()
         self._running: set[str] = set()
+        self._texts: dict[int, str] = {}
+        self._tok: Any = None
         self._embed_table: Any = None
         self._loras: dict[str, tuple[int, str]] = {}
         """name -> (vLLM's integer id, folder)."""
@@ -258,10 +262,32 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         p = request.sampling
+        extra: dict[str, Any] = {}
+        if p.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(**_vllm_structured(p.structured))
         return SamplingParams(
-            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
+            # vLLM generates at least one token: a prompt-only request (max_tokens 0) runs one and drops it.
+            max_tokens=max(p.max_tokens, 1), temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
             seed=p.seed, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None,
+            min_tokens=p.min_tokens, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, **extra,
         )
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer().decode([token_id])
+        return text
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.config.model_path)
+        return self._tok
 
     async def ready_info(self) -> ModelInfo:
         try:
@@ -299,9 +325,21 @@ class VLLMEngine(Engine):
         finished = False
         generated = 0
         try:
+            p = request.sampling
+            first = True
             async for out in self._engine.generate(self._prompt(request), self._sampling(request), rid,
                                                    lora_request=lora):
                 c = out.outputs[0]
+                prompt_lps = None
+                if first and p.prompt_logprobs is not None:
+                    prompt_lps = _prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids or [], p.prompt_logprobs)
+                first = False
+                if p.max_tokens == 0:  # prompt scoring only: the one token vLLM had to make is not returned
+                    self._stats.completed_requests += 1
+                    finished = True
+                    yield GenerationDelta("", (), 0, FinishReason.LENGTH, (), prompt_lps)
+                    return
+                lps = _logprobs(c.logprobs, c.token_ids, p.logprobs) if p.logprobs is not None else ()
                 generated += len(c.token_ids)
                 finish = _FINISH.get(c.finish_reason) if out.finished else None
                 if out.finished and finish is None:
@@ -313,7 +351,7 @@ class VLLMEngine(Engine):
                         self._stats.aborted_requests += 1
                     else:
                         self._stats.completed_requests += 1
-                yield GenerationDelta(c.text, tuple(c.token_ids), generated, finish)
+                yield GenerationDelta(c.text, tuple(c.token_ids), generated, finish, lps, prompt_lps)
                 if finish is not None:
                     return
         finally:
@@ -394,3 +432,40 @@ class VLLMEngine(Engine):
         if self._asleep:
             await self._engine.wake_up()
             self._asleep = False
+
+
+def _vllm_structured(s: Structured) -> dict[str, Any]:
+    """Our constraint -> vLLM's StructuredOutputsParams fields."""
+    if s.kind == "json_schema":
+        return {"json": str(s.value)}
+    if s.kind == "json_object":
+        return {"json_object": True}
+    if s.kind == "choice":
+        return {"choice": list(s.value)}
+    return {s.kind: str(s.value)}
+
+
+def _entry(position: dict[int, Any] | None, token: int, k: int) -> TokenLogprob:
+    """One position of vLLM's logprobs (token id -> Logprob with rank) -> TokenLogprob (top k by rank + chosen)."""
+    if not position:
+        return TokenLogprob(token, None, ())
+    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30))
+    top = [(t, float(lp.logprob)) for t, lp in ranked if lp.rank is not None and lp.rank <= k][:k]
+    chosen = position.get(token)
+    value = float(chosen.logprob) if chosen is not None else None
+    if value is not None and all(t != token for t, _ in top):
+        top.append((token, value))
+    return TokenLogprob(token, value, tuple(top))
+
+
+def _logprobs(sample: Any, token_ids: Any, k: int) -> tuple[TokenLogprob, ...]:
+    if not sample:
+        return tuple(TokenLogprob(t, None, ()) for t in token_ids)
+    return tuple(_entry(pos, t, k) for pos, t in zip(sample, token_ids, strict=False))
+
+
+def _prompt_logprobs(prompt: Any, ids: Any, k: int) -> tuple[TokenLogprob, ...]:
+    ids = list(ids)
+    if not prompt:
+        return tuple(TokenLogprob(t, None, ()) for t in ids)
+    return tuple(_entry(pos, t, k) for pos, t in zip(prompt, ids, strict=False))
