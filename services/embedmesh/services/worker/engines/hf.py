@@ -26,6 +26,8 @@ Failure is contained (the engine thread must outlive any request):
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import math
 import queue
 import threading
@@ -122,6 +124,17 @@ class HFEngine(Engine):
         """Sequences the engine thread holds (being prefilled or decoded)."""
         self._stopping = False
         self._texts: dict[int, str] = {}
+        self._model_lock = threading.Lock()
+        """Held by the engine thread for each step and by adapter loads/unloads: the model never changes mid-pass."""
+        self._loras: dict[str, str] = {}
+        """Loaded LoRA adapters: name -> folder (peft format)."""
+        self._lora_loading: dict[str, asyncio.Future[bool]] = {}
+        self._unloading: set[str] = set()
+        self._peft = False
+        """Whether ``self.model`` is a peft model (after the first adapter load)."""
+        self._deferred: collections.deque[_Seq] = collections.deque()
+        """Sequences taken from the inbox whose adapter differs from the running batch's: a batch runs one adapter
+        (or the base model) at a time; they start as soon as the batch of the other adapter has drained."""
         self._structured: Any = None
         """``StructuredCompiler`` for this tokenizer, built on first use (in the engine thread)."""
 
@@ -182,7 +195,7 @@ class HFEngine(Engine):
 
     def stats(self) -> EngineStats:
         s = self._stats
-        s.queued_requests = self._inbox.qsize()
+        s.queued_requests = self._inbox.qsize() + len(self._deferred)
         s.active_requests = len(self._by_id)
         return s
 
@@ -196,7 +209,8 @@ class HFEngine(Engine):
             failed = f"engine thread failed: {self._failed!r}"
         elif self._thread is not None and not self._thread.is_alive() and not self._stopping:
             failed = "engine thread exited"
-        return EngineProgress(steps=self._steps, busy=self._active > 0 or self._inbox.qsize() > 0, failed=failed)
+        busy = self._active > 0 or self._inbox.qsize() > 0 or bool(self._deferred)
+        return EngineProgress(steps=self._steps, busy=busy, failed=failed)
 
     def fail_all(self, error: Exception) -> int:
         if isinstance(error, EmbedmeshError):
@@ -233,6 +247,10 @@ class HFEngine(Engine):
         if down is not None:
             raise down
         check_generation(request, info)
+        adapter = request.lora_adapter
+        if adapter and (adapter not in self._loras or adapter in self._unloading):
+            raise InvalidArgument(f"model: the LoRA adapter {request.lora_adapter!r} is not loaded on this worker",
+                                  field="model", reason="LORA_NOT_LOADED")
         if request.request_id in self._by_id:
             raise InvalidArgument(f"request id {request.request_id!r} is already running", field="request_id")
         seq = _Seq(
@@ -280,22 +298,27 @@ class HFEngine(Engine):
             with torch.inference_mode():
                 while True:
                     self._active = len(rows)
-                    incoming = self._take(block=not rows, room=self.config.max_batch_size - len(rows))
+                    room = self.config.max_batch_size - len(rows)
+                    incoming = self._take(block=not rows and not self._deferred, room=room)
                     if incoming is None:
+                        self._fail_deferred(Unavailable("the worker is shutting down; retry", reason="DRAINING",
+                                                        retry_after_seconds=1.0))
                         return
+                    incoming = self._same_adapter(rows, incoming, room)
                     self._active = len(rows) + len(incoming)
                     live = [s for s in incoming if not self._abort_if_needed(s)]
-                    if live:
-                        cache, mask, rows = self._admit_guarded(live, cache, mask, rows)
-                    incoming = []
-                    if rows:
-                        cache, mask, rows = self._decode_guarded(cache, mask, rows)
+                    with self._model_lock:
+                        if live:
+                            cache, mask, rows = self._admit_guarded(live, cache, mask, rows)
+                        incoming = []
+                        if rows:
+                            cache, mask, rows = self._decode_guarded(cache, mask, rows)
                     self._steps += 1
         except BaseException as e:  # noqa: BLE001 - past the per-step guards: surface to every waiting request, stop
             self._failed = e
             log.exception("engine thread failed; the worker must be restarted")
             error = self._unavailable() or Unavailable("the engine failed", reason="ENGINE_FAILED")
-            for s in [*rows, *(incoming or [])]:
+            for s in [*rows, *(incoming or []), *self._deferred]:
                 s.emit(error)
             # Sequences still in the inbox would wait forever: nobody takes them any more.
             while True:
@@ -399,6 +422,107 @@ class HFEngine(Engine):
             raise InternalError("the sampled token breaks the structured-output constraint")
         self._accept(s, token, lp)
 
+    def _same_adapter(self, rows: list[_Seq], incoming: list[_Seq], room: int) -> list[_Seq]:
+        """Of the deferred and newly taken sequences, those that may join the batch now: the running batch's
+        adapter (or, with no batch, the oldest waiting sequence's), up to ``room``; the rest wait, in order."""
+        candidates = [*self._deferred, *incoming]
+        self._deferred.clear()
+        candidates = [s for s in candidates if not self._abort_if_needed(s)]
+        if not candidates:
+            return []
+        adapter = rows[0].request.lora_adapter if rows else candidates[0].request.lora_adapter
+        take: list[_Seq] = []
+        for s in candidates:
+            if s.request.lora_adapter == adapter and len(take) < max(room, 0):
+                take.append(s)
+            else:
+                self._deferred.append(s)
+        return take
+
+    def _fail_deferred(self, error: Exception) -> None:
+        while self._deferred:
+            self._fail(self._deferred.popleft(), error)
+
+    def _adapter(self, rows: list[_Seq]) -> Any:
+        """The context a forward pass of ``rows`` (one adapter, see ``_same_adapter``) runs in."""
+        if not self._peft:
+            return contextlib.nullcontext()
+        name = rows[0].request.lora_adapter if rows else ""
+        if not name:
+            return self.model.disable_adapter()
+        self.model.set_adapter(name)
+        return contextlib.nullcontext()
+
+    # --- LoRA adapters (peft) ----------------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> bool:
+        """Load once: concurrent calls for one name share the first call's result. A folder that is not an
+        adapter of this model is refused naming ``path``, and nothing of it stays loaded."""
+        if name in self._loras:
+            return False
+        pending = self._lora_loading.get(name)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return False
+        from pathlib import Path as _Path
+
+        if not (_Path(path) / "adapter_config.json").is_file():
+            raise InvalidArgument(f"path: no adapter_config.json in {path!r}: not a peft adapter folder",
+                                  field="path", reason="NOT_AN_ADAPTER")
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._lora_loading[name] = future
+        try:
+            await asyncio.to_thread(self._load_adapter, name, path)
+            self._loras[name] = path
+            future.set_result(True)
+            return True
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
+            raise
+        finally:
+            self._lora_loading.pop(name, None)
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        with self._model_lock:
+            try:
+                if not self._peft:
+                    from peft import PeftModel
+
+                    self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+                    self._peft = True
+                else:
+                    self.model.load_adapter(path, adapter_name=name)
+                self.model.eval()
+            except Exception as e:  # noqa: BLE001 - a bad folder is the caller's error; leave nothing behind
+                if self._peft and name in getattr(self.model, "peft_config", {}):
+                    with contextlib.suppress(Exception):
+                        self.model.delete_adapter(name)
+                log.warning("LoRA load failed", extra={"adapter": name, "error": str(e)[:300]})
+                raise InvalidArgument(f"path: the adapter in {path!r} cannot be loaded on this model "
+                                      f"({type(e).__name__}: {str(e)[:200]})", field="path",
+                                      reason="ADAPTER_MISMATCH") from None
+
+    async def unload_lora(self, name: str) -> bool:
+        """Refuse new requests for ``name`` at once; let running ones finish; then free it."""
+        if name not in self._loras or name in self._unloading:
+            return False
+        self._unloading.add(name)
+        try:
+            while any(s.request.lora_adapter == name and not s.done for s in self._by_id.values()):
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(self._delete_adapter, name)
+            self._loras.pop(name, None)
+            return True
+        finally:
+            self._unloading.discard(name)
+
+    def _delete_adapter(self, name: str) -> None:
+        with self._model_lock:
+            self.model.delete_adapter(name)
+
+    async def list_loras(self) -> dict[str, str]:
+        return {n: p for n, p in self._loras.items() if n not in self._unloading}
+
     def _take(self, block: bool, room: int) -> list[_Seq] | None:
         out: list[_Seq] = []
         if room <= 0:
@@ -481,10 +605,11 @@ class HFEngine(Engine):
         positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
         new_cache = DynamicCache()
         scored = [s.request.sampling.prompt_logprobs is not None for s in ready]
-        out = self.model(
-            inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
-            use_cache=True, logits_to_keep=0 if any(scored) else 1,
-        )
+        with self._adapter(ready):
+            out = self.model(
+                inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
+                use_cache=True, logits_to_keep=0 if any(scored) else 1,
+            )
         for i, s in enumerate(ready):
             s.position = embeds[i].shape[0]
             if scored[i]:
@@ -538,10 +663,11 @@ class HFEngine(Engine):
         ids = torch.tensor([[s.pending] for s in rows], dtype=torch.long)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
         positions = torch.tensor([[s.position] for s in rows], dtype=torch.long)
-        out = self.model(
-            inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
-            use_cache=True,
-        )
+        with self._adapter(rows):
+            out = self.model(
+                inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True,
+            )
         for s in rows:
             s.position += 1
         self._sample_rows(out.logits[:, -1, :].float(), rows)
