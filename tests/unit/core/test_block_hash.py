@@ -146,3 +146,18 @@ def test_bf16_bits_hash_as_stored() -> None:
     bits = rows(8).view(np.uint32).astype(np.uint16)  # any uint16 storage, as bf16 rows travel
     assert len(block_hashes([bits], 4)) == 2
     assert block_hashes([bits], 4) == block_hashes([bits.copy()], 4)
+
+
+def test_adapter_hashes_are_a_separate_chain_per_adapter() -> None:
+    from embedmesh.core.block_hash import adapter_block_hashes
+
+    base = block_hashes([tuple(range(64))], 16)
+    a = adapter_block_hashes(base, "lora-a")
+    b = adapter_block_hashes(base, "lora-b")
+    assert adapter_block_hashes(base, "") == base
+    assert len(a) == len(base) == 4 and 0 not in a
+    assert not set(a) & set(base) and not set(a) & set(b)  # never credited across adapters or the base model
+    assert a == adapter_block_hashes(block_hashes([tuple(range(64))], 16), "lora-a")  # deterministic
+    # A shared prefix under one adapter is still a shared prefix.
+    longer = adapter_block_hashes(block_hashes([tuple(range(80))], 16), "lora-a")
+    assert longer[:4] == a

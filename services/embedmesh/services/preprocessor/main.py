@@ -62,7 +62,8 @@ async def serve(config: PreprocessorConfig) -> None:
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
                InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME,
-               access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN})
+               access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN, "LoadLoraAdapter": Access.ADMIN,
+                                              "UnloadLoraAdapter": Access.ADMIN})
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
                EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE,

@@ -23,7 +23,7 @@ from prometheus_client import Counter, Histogram
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
-from embedmesh.core.block_hash import block_hashes
+from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import SamplingParams, choice_seed, sampling_to_proto
@@ -62,6 +62,14 @@ class Job:
     """With ``echo``: each prompt's text, put before its choices' text."""
     tools: ToolSpec | None = None
     """Chat with tools that may be called: the output is parsed into tool calls."""
+    adapter: str = ""
+    """The LoRA adapter named as ``model`` (then ``base_model`` is the model it applies to); "" = a base model."""
+    base_model: str = ""
+
+    @property
+    def served_model(self) -> str:
+        """The model whose workers run the job."""
+        return self.base_model or self.model
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,8 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
     tasks: list[asyncio.Task[None]] = []
     segments = [_segments(p, job.model_dtype) for p in job.prompts]
     for p_index, segment in enumerate(segments):
-        hashes = block_hashes(job.prompts[p_index].pieces, router.block_size) if router else []
+        hashes = adapter_block_hashes(block_hashes(job.prompts[p_index].pieces, router.block_size), job.adapter) \
+            if router else []
         for i in range(job.n):
             index = p_index * job.n + i
             sampling = job.sampling
@@ -108,9 +117,11 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
                 request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
                 segments=segment,
                 sampling=sampling_to_proto(sampling),
+                lora_adapter=job.adapter,
             )
-            pick = _picker(pool, router, job.model, hashes, len(job.prompts[p_index]), req.request_id)
-            tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.model)))
+            pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
+                           job.adapter)
+            tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter)))
     remaining = len(tasks)
     completion = 0
     t0 = time.perf_counter()
@@ -146,7 +157,7 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
 
 
 def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: list[int], prompt_len: int,
-            request_id: str) -> Callable[[], Awaitable[WorkerHandle]]:
+            request_id: str, adapter: str = "") -> Callable[[], Awaitable[WorkerHandle]]:
     """The worker for one sequence: the KV router's choice, else round robin (router absent or unreachable)."""
 
     async def pick() -> WorkerHandle:
@@ -154,12 +165,12 @@ def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: li
             decision = await router.route(model, hashes, prompt_len, request_id)
             if decision is not None:
                 handle = pool.handle_for(decision.address)
-                if handle.healthy:
+                if handle.healthy and (not adapter or adapter in handle.adapters):
                     return handle
                 # The router has not seen it leave yet (draining or just lost): our own view wins.
                 log.info("routed worker is not healthy; picking another",
                          extra={"worker": decision.address, "request_id": request_id})
-        return pool.pick(model)
+        return pool.pick(model, adapter=adapter)
 
     return pick
 
@@ -180,6 +191,7 @@ async def _one(
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
     pool: WorkerPool | None = None,
     model: str = "",
+    adapter: str = "",
 ) -> None:
     """Stream one sequence from a worker into ``out``. A worker that fails, refuses or aborts the sequence before
     it produced anything is retried once on another worker (see the module docstring)."""
@@ -189,7 +201,8 @@ async def _one(
         call = None
         sent = False
         try:
-            worker = await pick() if attempt == 0 or pool is None else pool.pick(model, exclude=failed)
+            worker = await pick() if attempt == 0 or pool is None else pool.pick(model, exclude=failed,
+                                                                                  adapter=adapter)
             worker.inflight += 1
             call = worker.stub.Generate(req)
             async for resp in call:

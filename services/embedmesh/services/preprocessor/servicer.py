@@ -17,7 +17,7 @@ from prometheus_client import Counter, Gauge
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.auth import current_principal, limiter
-from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.sampling import SamplingParams, Structured, sampling_from_proto
 from embedmesh.core.server import mesh_channel
 from embedmesh.core.structured import check_structured
@@ -83,7 +83,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def _model(self, model: str, task: int) -> worker_pb2.GetInfoResponse:
         if not model:
             raise InvalidArgument("model is required", field="model", reason="REQUIRED")
-        info = self.pool.spec(model)
+        adapter = self.pool.adapters().get(model) if model not in self.pool.models() else None
+        info = self.pool.spec(adapter[0] if adapter is not None else model)
         if info.task == worker_pb2.MODEL_TASK_EMBED and task != worker_pb2.MODEL_TASK_EMBED:
             raise InvalidArgument(f"model: {model!r} is an embedding model; use /v1/embeddings", field="model",
                                   reason="WRONG_TASK")
@@ -106,6 +107,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def _job(self, params: inference_pb2.CompletionParams) -> Job:
         info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
+        lora = self._adapter_of(params.model, info)
         sampling = self._sampling(params.sampling, info, echo=params.echo)
         n = params.n if params.HasField("n") else 1
         if not 1 <= n <= self.config.max_n:
@@ -141,10 +143,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             texts = [t for t in params.prompts if t != ""] if token_prompts else list(params.prompts)
             echo = tuple([self.tokenizer.decode(ids) for ids in token_prompts] + texts)
         rid = params.request_id or f"cmpl-{uuid.uuid4().hex}"
-        return Job(rid, params.model, prompts, sampling, n, info.dtype, echo=echo)
+        return Job(rid, params.model, prompts, sampling, n, info.dtype, echo=echo, **lora)
 
     async def _chat_job(self, params: inference_pb2.ChatParams) -> Job:
         info = self._model(params.model, worker_pb2.MODEL_TASK_GENERATE)
+        lora = self._adapter_of(params.model, info)
         sampling = self._sampling(params.sampling, info)
         if sampling.prompt_logprobs is not None:
             raise InvalidArgument("prompt_logprobs is not available for chat; use /v1/completions with the "
@@ -184,7 +187,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             max_tokens=sampling.max_tokens, tools=tools,
         )
         rid = params.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        return Job(rid, params.model, [prompt], sampling, n, info.dtype, tools=tools)
+        return Job(rid, params.model, [prompt], sampling, n, info.dtype, tools=tools, **lora)
+
+    def _adapter_of(self, model: str, info: worker_pb2.GetInfoResponse) -> dict[str, str]:
+        """Job fields for a request naming a LoRA adapter as its model (empty for a base model)."""
+        if model == info.model:
+            return {}
+        return {"adapter": model, "base_model": info.model}
 
     async def _items(self, job: Job) -> AsyncIterator[Delta | Usage]:
         """The job's deltas and usage; ``max_tokens: 0`` without prompt scoring needs no worker (echo only)."""
@@ -293,6 +302,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def ListModels(  # noqa: N802
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
+        await asyncio.gather(*(self.pool.refresh_adapters(w) for w in self.pool.workers if w.healthy))
         out = []
         for name, group in sorted(self.pool.models().items()):
             info = group[0].info
@@ -310,7 +320,79 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     created=self.pool.created.get(name, int(time.time())),
                 )
             )
+        base = {m.id: m for m in out}
+        for name, (parent, holders) in sorted(self.pool.adapters().items()):
+            if name in base or parent not in base:
+                continue
+            p = base[parent]
+            out.append(inference_pb2.Model(
+                id=name, parent=parent, hidden_size=p.hidden_size, max_context_tokens=p.max_context_tokens,
+                dtype=p.dtype, engines=sorted({w.info.engine for w in holders if w.info}), task="generate",
+                ready_workers=sum(1 for w in holders if w.healthy), created=p.created))
         return inference_pb2.ListModelsResponse(models=out)
+
+    # --- LoRA adapters (admin) --------------------------------------------------------------------------------
+    async def LoadLoraAdapter(  # noqa: N802
+        self, request: inference_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.LoadLoraAdapterResponse:
+        name = request.lora_name
+        if not name or len(name) > 256 or any(c.isspace() or not c.isprintable() for c in name):
+            raise InvalidArgument("lora_name is required: a name without spaces (at most 256 characters)",
+                                  field="lora_name", reason="INVALID_NAME")
+        if not request.lora_path:
+            raise InvalidArgument("lora_path is required", field="lora_path", reason="REQUIRED")
+        if name in self.pool.models():
+            raise InvalidArgument(f"lora_name {name!r} is the name of a served model", field="lora_name",
+                                  reason="NAME_TAKEN")
+        targets = [w for w in self.pool.workers
+                   if w.healthy and w.info is not None and w.info.task != worker_pb2.MODEL_TASK_EMBED]
+        if request.workers:
+            ids = {w.name for w in targets}
+            unknown = [x for x in request.workers if x not in ids]
+            if unknown:
+                raise InvalidArgument(f"workers: {unknown} are not serving generative workers (see /health)",
+                                      field="workers", reason="UNKNOWN_WORKER")
+            targets = [w for w in targets if w.name in set(request.workers)]
+        if not targets:
+            raise Unavailable("no generative worker is serving; retry shortly", reason="NO_HEALTHY_WORKER",
+                              retry_after_seconds=1.0)
+        held = self.pool.adapters().get(name)
+        if held is not None and any(w.info is not None and w.info.model != held[0] for w in targets):
+            raise InvalidArgument(f"lora_name {name!r} is already loaded for model {held[0]!r}",
+                                  field="lora_name", reason="NAME_TAKEN")
+        req = worker_pb2.LoadLoraAdapterRequest(name=name, path=request.lora_path)
+        results = await asyncio.gather(*(w.stub.LoadLoraAdapter(req, timeout=300) for w in targets),
+                                       return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            # Nothing half-loaded: undo the loads this call made, then report the first failure.
+            undo = [w for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException) and r.loaded]
+            await asyncio.gather(*(w.stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name=name),
+                                                            timeout=60) for w in undo), return_exceptions=True)
+            await asyncio.gather(*(self.pool.refresh_adapters(w) for w in targets))
+            raise _lora_error(failed)
+        await asyncio.gather(*(self.pool.refresh_adapters(w) for w in targets))
+        return inference_pb2.LoadLoraAdapterResponse(
+            workers=[w.name for w in targets], loaded=any(r.loaded for r in results))  # type: ignore[union-attr]
+
+    async def UnloadLoraAdapter(  # noqa: N802
+        self, request: inference_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.UnloadLoraAdapterResponse:
+        name = request.lora_name
+        if not name:
+            raise InvalidArgument("lora_name is required", field="lora_name", reason="REQUIRED")
+        holders = [w for w in self.pool.workers if name in w.adapters]
+        if not holders:
+            raise NotFound(f"lora_name: no worker holds an adapter named {name!r}", field="lora_name",
+                           reason="ADAPTER_NOT_FOUND")
+        results = await asyncio.gather(*(w.stub.UnloadLoraAdapter(
+            worker_pb2.UnloadLoraAdapterRequest(name=name), timeout=300) for w in holders), return_exceptions=True)
+        await asyncio.gather(*(self.pool.refresh_adapters(w) for w in holders))
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise _lora_error(failed)
+        return inference_pb2.UnloadLoraAdapterResponse(
+            workers=[w.name for w, r in zip(holders, results, strict=True) if r.unloaded])  # type: ignore[union-attr]
 
     async def GetMeshHealth(  # noqa: N802
         self, request: inference_pb2.GetMeshHealthRequest, context: grpc.aio.ServicerContext
@@ -380,3 +462,13 @@ def _structured_field(s: Structured) -> str:
     return {"json_schema": "response_format.json_schema.schema", "json_object": "response_format",
             "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
             "grammar": "structured_outputs.grammar"}[s.kind]
+
+
+def _lora_error(e: BaseException) -> Exception:
+    """A worker's refusal of a LoRA call, re-named in the client's fields (path -> lora_path, name -> lora_name)."""
+    if not isinstance(e, grpc.aio.AioRpcError):
+        return e if isinstance(e, Exception) else Unavailable("the LoRA call was interrupted")
+    err = from_rpc_error(e)
+    field = {"path": "lora_path", "name": "lora_name"}.get(err.field or "", err.field)
+    message = str(err).replace("path:", "lora_path:", 1) if err.field == "path" else str(err)
+    return type(err)(message, field=field, reason=err.reason, retry_after_seconds=err.retry_after_seconds)

@@ -39,6 +39,8 @@ class WorkerHandle:
     inflight: int = 0
     name: str = ""
     """The worker's id once known (GetInfo), for logs and /health; never its address in client-facing text."""
+    adapters: set[str] = field(default_factory=set)
+    """LoRA adapters loaded on it (ListLoraAdapters, refreshed whenever it turns SERVING and after admin calls)."""
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _recheck: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -131,6 +133,7 @@ class WorkerPool:
                         self.created.setdefault(w.info.model, int(time.time()))
                     if serving:
                         w.seen_serving = True
+                        await self.refresh_adapters(w)
                     self._set(w, serving)
                     backoff = 0.2
                     if not serving and w.seen_serving:
@@ -144,6 +147,27 @@ class WorkerPool:
                 self._set(w, False)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    async def refresh_adapters(self, w: WorkerHandle) -> None:
+        """Re-read ``w``'s LoRA adapters; an engine without LoRA (or an unreachable worker) has none."""
+        if w.info is None or w.info.task == worker_pb2.MODEL_TASK_EMBED:
+            return
+        try:
+            resp = await w.stub.ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            w.adapters = set()
+            return
+        w.adapters = {a.name for a in resp.adapters}
+
+    def adapters(self) -> dict[str, tuple[str, list[WorkerHandle]]]:
+        """Adapter name -> (its base model, the workers holding it)."""
+        out: dict[str, tuple[str, list[WorkerHandle]]] = {}
+        for w in self.workers:
+            if w.info is None:
+                continue
+            for name in w.adapters:
+                out.setdefault(name, (w.info.model, []))[1].append(w)
+        return out
 
     def all_started(self) -> bool:
         """Every configured worker has reported SERVING at least once and one is serving now."""
@@ -167,9 +191,13 @@ class WorkerPool:
         assert info is not None
         return info
 
-    def pick(self, model: str, exclude: WorkerHandle | None = None) -> WorkerHandle:
-        """Round robin over healthy workers of ``model`` (other than ``exclude``)."""
-        group = [w for w in self.models().get(model, []) if w.healthy and w is not exclude]
+    def pick(self, model: str, exclude: WorkerHandle | None = None, adapter: str = "") -> WorkerHandle:
+        """Round robin over healthy workers of ``model`` (other than ``exclude``; holding ``adapter`` if given)."""
+        group = [w for w in self.models().get(model, []) if w.healthy and w is not exclude
+                 and (not adapter or adapter in w.adapters)]
+        if not group and adapter:
+            raise Unavailable(f"no healthy worker holds the LoRA adapter {adapter!r}; retry shortly or load it "
+                              "again", field="model", reason="NO_HEALTHY_WORKER", retry_after_seconds=1.0)
         if not group:
             raise Unavailable(f"no healthy worker serves model {model!r}; retry shortly", field="model",
                               reason="NO_HEALTHY_WORKER", retry_after_seconds=1.0)

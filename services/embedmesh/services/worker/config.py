@@ -60,6 +60,9 @@ class WorkerConfig:
     """vllm worker: allow LoRA adapters (LoadLoraAdapter)."""
     lora_root: str = ""
     """Folder LoRA adapters load from (resolved; nothing outside it); empty = $EMBEDMESH_CACHE/lora-adapters."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters loaded at start, before the worker serves: (name, folder under the LoRA root) pairs, given as
+    ``--lora-modules name=path ...`` (vLLM's flag)."""
     vllm_block_size: int = 0
     """vllm worker: vLLM's KV block size in positions (0 = vLLM's default: 16 on GPUs, 128 on CPUs)."""
     kv_cache_memory_bytes: int = 0
@@ -134,6 +137,8 @@ class WorkerConfig:
         p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1")
         p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
                        help="adapters load only from folders under this one")
+        p.add_argument("--lora-modules", nargs="*", default=env.get("EMBEDMESH_LORA_MODULES", "").split(),
+                       metavar="NAME=PATH", help="LoRA adapters to load before serving (folders under --lora-root)")
         p.add_argument("--vllm-block-size", type=int, default=int(env.get("EMBEDMESH_VLLM_BLOCK_SIZE", 0)))
         p.add_argument("--kv-cache-memory-bytes", type=int,
                        default=int(env.get("EMBEDMESH_VLLM_KV_CACHE_MEMORY_BYTES", 0)))
@@ -151,6 +156,13 @@ class WorkerConfig:
         a = p.parse_args(argv)
         values = vars(a)
         values["routers"] = tuple(r.strip() for r in a.routers.split(",") if r.strip())
+        modules = []
+        for item in a.lora_modules or ():
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                p.error(f"--lora-modules: {item!r} is not NAME=PATH")
+            modules.append((name, path))
+        values["lora_modules"] = tuple(modules)
         try:
             return cls(**values)
         except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback

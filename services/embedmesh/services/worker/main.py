@@ -51,6 +51,7 @@ async def serve(config: WorkerConfig) -> None:
     server.install_signal_handlers()
     print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
     await engine.start()
+    await _load_lora_modules(engine, config, lora_root)
     watchdog = Watchdog(engine, config.watchdog_seconds, set_not_serving=lambda: server.set_serving(False),
                         exit=os._exit)
     watchdog.start()
@@ -82,6 +83,22 @@ async def serve(config: WorkerConfig) -> None:
         # Leave the routers as soon as a drain starts: no new work arrives while in-flight streams finish.
         server.on_drain_start(link.close)
     await server.wait_for_termination()
+
+
+async def _load_lora_modules(engine: Engine, config: WorkerConfig, lora_root: Path | None) -> None:
+    """``--lora-modules``: load each adapter before serving; a bad one stops the worker with the reason."""
+    from embedmesh.core.errors import EmbedmeshError
+    from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
+
+    for name, path in config.lora_modules:
+        try:
+            folder = resolve_adapter_path(path, lora_root or default_lora_root(), field="--lora-modules")
+            await engine.load_lora(name, str(folder))
+        except NotImplementedError:
+            raise SystemExit(f"--lora-modules: the {config.engine} engine does not load LoRA adapters") from None
+        except EmbedmeshError as e:
+            raise SystemExit(f"--lora-modules {name}={path}: {e}") from None
+        log.info("LoRA adapter loaded", extra={"adapter": name, "path": str(folder)})
 
 
 def _events_log(path: str) -> Callable[[list[Any]], None]:

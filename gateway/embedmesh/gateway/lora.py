@@ -1,0 +1,68 @@
+"""LoRA adapters at run time, with vLLM's routes and bodies: ``POST /v1/load_lora_adapter {"lora_name",
+"lora_path"}`` and ``POST /v1/unload_lora_adapter {"lora_name"}``. They call the admin RPCs of the public gRPC API
+(``InferenceService.LoadLoraAdapter`` / ``UnloadLoraAdapter``); the preprocessor checks the caller's key is an admin
+key (with keys configured), so the gateway holds no privilege of its own. A loaded adapter is a model: it appears in
+``/v1/models`` with ``parent`` = its base model, and requests name it as ``model``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from embedmesh.gateway.errors import bad_request, from_grpc
+from embedmesh.inference.v1 import inference_pb2
+
+if TYPE_CHECKING:
+    from embedmesh.gateway.app import Gateway
+
+__all__ = ["lora_routes"]
+
+_TIMEOUT_S = 600.0
+
+
+def _string(body: dict[str, Any], name: str, required: bool = True) -> str:
+    value = body.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise bad_request(name, "is required (a non-empty string)", "missing" if value is None else "invalid_type")
+    return value
+
+
+def _only(body: dict[str, Any], known: set[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise bad_request(name, "is not a parameter of this route", "unknown_parameter")
+
+
+def lora_routes(gw: Gateway) -> list[Route]:
+    async def load(request: Request) -> Response:
+        body = await gw.read_json(request)
+        _only(body, {"lora_name", "lora_path", "workers", "load_inplace"})
+        workers = body.get("workers") or []
+        if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
+            raise bad_request("workers", "must be a list of worker ids (see /health)", "invalid_type")
+        req = inference_pb2.LoadLoraAdapterRequest(lora_name=_string(body, "lora_name"),
+                                                   lora_path=_string(body, "lora_path"), workers=workers)
+        try:
+            await gw.stub.LoadLoraAdapter(req, timeout=_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload(request: Request) -> Response:
+        body = await gw.read_json(request)
+        _only(body, {"lora_name", "lora_int_id"})
+        req = inference_pb2.UnloadLoraAdapterRequest(lora_name=_string(body, "lora_name"))
+        try:
+            await gw.stub.UnloadLoraAdapter(req, timeout=_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    return [Route("/v1/load_lora_adapter", load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"])]
