@@ -29,7 +29,7 @@ model: venv
 	$(PY) -m embedmesh.models.convert
 
 run: venv model
-	$(PY) -m embedmesh.launcher
+	$(PY) -m embedmesh.launcher $(ARGS)
 
 # Debian packages the tests start for real (CI runs as root on a fresh machine).
 sysdeps:

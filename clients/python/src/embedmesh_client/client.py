@@ -122,6 +122,22 @@ class Client:
                                                              metadata=self._md), True)
         return list(resp.models)
 
+    def list_adapters(self) -> list[inference_pb2.Model]:
+        """Loaded LoRA adapters (models whose ``parent`` is their base model)."""
+        return [m for m in self.list_models() if m.parent]
+
+    def load_lora_adapter(self, name: str, path: str,
+                          workers: Sequence[str] = ()) -> inference_pb2.LoadLoraAdapterResponse:
+        """Load an adapter (admin key needed when keys are configured); then use ``name`` as the model."""
+        req = inference_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path, workers=list(workers))
+        return self._call(lambda: self._inference.LoadLoraAdapter(req, timeout=self.timeout, metadata=self._md),
+                          False)
+
+    def unload_lora_adapter(self, name: str) -> inference_pb2.UnloadLoraAdapterResponse:
+        req = inference_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        return self._call(lambda: self._inference.UnloadLoraAdapter(req, timeout=self.timeout, metadata=self._md),
+                          False)
+
 
 class AsyncClient:
     """The same API over ``grpc.aio``."""
@@ -178,6 +194,18 @@ class AsyncClient:
         req = inference_pb2.ChatRequest(params=chat_params(model, messages, **kw))
         return await self._call(lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md), False)
 
+    async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
+                          **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
+        req = inference_pb2.StreamChatRequest(params=chat_params(model, messages, **kw))
+        call = self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md)
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
     async def embed(self, model: str, inputs: Any, dimensions: int | None = None) -> np.ndarray:
         req = embed_request(model, inputs, dimensions)
         resp = await self._call(lambda: self._inference.Embed(req, timeout=self.timeout, metadata=self._md), True)
@@ -195,3 +223,17 @@ class AsyncClient:
         resp = await self._call(lambda: self._inference.ListModels(inference_pb2.ListModelsRequest(),
                                                                    timeout=self.timeout, metadata=self._md), True)
         return list(resp.models)
+
+    async def list_adapters(self) -> list[inference_pb2.Model]:
+        return [m for m in await self.list_models() if m.parent]
+
+    async def load_lora_adapter(self, name: str, path: str,
+                                workers: Sequence[str] = ()) -> inference_pb2.LoadLoraAdapterResponse:
+        req = inference_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path, workers=list(workers))
+        return await self._call(lambda: self._inference.LoadLoraAdapter(req, timeout=self.timeout,
+                                                                        metadata=self._md), False)
+
+    async def unload_lora_adapter(self, name: str) -> inference_pb2.UnloadLoraAdapterResponse:
+        req = inference_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        return await self._call(lambda: self._inference.UnloadLoraAdapter(req, timeout=self.timeout,
+                                                                          metadata=self._md), False)

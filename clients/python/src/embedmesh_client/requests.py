@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,8 @@ from embedmesh_client.tensors import to_tensor
 __all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 1 << 20
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
 
 def _sampling(kw: dict[str, Any]) -> common_pb2.SamplingParams:
@@ -24,7 +26,16 @@ def _sampling(kw: dict[str, Any]) -> common_pb2.SamplingParams:
     stop = kw.get("stop")
     if stop:
         s.stop.extend([stop] if isinstance(stop, str) else stop)
-    unknown = set(kw) - set(_SAMPLING) - {"stop"}
+    for token, bias in (kw.get("logit_bias") or {}).items():
+        s.logit_bias[int(token)] = float(bias)
+    schema = kw.get("json_schema")
+    if schema is not None:  # a dict or JSON text: the output is one JSON value valid against it
+        s.structured.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    if kw.get("regex") is not None:
+        s.structured.regex = kw["regex"]
+    if kw.get("choice") is not None:
+        s.structured.choice.values.extend(kw["choice"])
+    unknown = set(kw) - set(_SAMPLING) - {"stop", "logit_bias", "json_schema", "regex", "choice"}
     if unknown:
         raise TypeError(f"unknown sampling arguments: {sorted(unknown)}")
     return s
@@ -56,6 +67,7 @@ def completion_params(model: str, prompt: str | Sequence[str] | None = None, emb
 
 
 def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,
+                tools: Sequence[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                 **sampling: Any) -> inference_pb2.ChatParams:
     """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``."""
     p = inference_pb2.ChatParams(model=model, sampling=_sampling(sampling))
@@ -72,6 +84,14 @@ def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = 
             else:
                 raise ValueError(f"unknown content part type {part['type']!r}")
         p.messages.append(msg)
+    for t in tools or ():
+        fn = t.get("function", t)
+        p.tools.append(inference_pb2.Tool(name=fn["name"], description=fn.get("description", ""),
+                                          parameters_json=json.dumps(fn.get("parameters") or {})))
+    if isinstance(tool_choice, str):
+        p.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        p.tool_choice.function = tool_choice.get("function", tool_choice)["name"]
     if n is not None:
         p.n = n
     return p
