@@ -192,3 +192,19 @@ def test_embeddings_cannot_be_poisoned_through_the_public_cache(smesh: Mesh) -> 
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, from_rpc_error(info.value)
     after = _oa(smesh, KA).embeddings.create(model="all-MiniLM-L6-v2", input="harbour lights").data[0].embedding
     assert np.allclose(before, after)
+
+
+def test_loading_a_lora_adapter_needs_an_admin_key(smesh: Mesh) -> None:
+    body = {"lora_name": "sneaky", "lora_path": "/etc"}
+    r = httpx.post(f"{smesh.base_url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 401
+    r = httpx.post(f"{smesh.base_url}/v1/load_lora_adapter", json=body, timeout=60,
+                   headers={"authorization": f"Bearer {KA}"})
+    assert r.status_code == 403, r.text
+    r = httpx.post(f"{smesh.base_url}/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60,
+                   headers={"authorization": f"Bearer {KA}"})
+    assert r.status_code == 403, r.text
+    # The admin key passes the check and reaches the path rule (outside the LoRA root: 400 naming lora_path).
+    r = httpx.post(f"{smesh.base_url}/v1/load_lora_adapter", json=body, timeout=60,
+                   headers={"authorization": f"Bearer {KADMIN}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
