@@ -152,7 +152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"),
                    choices=[n for n in registry.names() if "generate" in registry.spec(n).tasks],
                    help="engine of the generative workers (see the worker's --help)")
-    p.add_argument("--model", default=env.get("EMBEDMESH_WORKER_MODEL", "default"))
+    p.add_argument("--model", action="append", default=None,
+                   help="model of the generative workers: 'default' (SmolLM2) or a local Hugging Face folder; "
+                        "repeat it to serve several models (--workers workers each)")
     p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "0")),
                    help="torch threads per worker (0 = the machine's cores shared among the workers)")
     p.add_argument("--router-port", type=int, default=int(env.get("EMBEDMESH_ROUTER_PORT", "50081")),
@@ -263,7 +265,9 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
 
     procs: list[MeshProcess] = []
     worker_addrs = []
-    threads = a.worker_threads or max(1, (os.cpu_count() or 2) // a.workers)
+    models = a.model or [env.get("EMBEDMESH_WORKER_MODEL", "default")]
+    a.model = models[0]
+    threads = a.worker_threads or max(1, (os.cpu_count() or 2) // (a.workers * len(models)))
     router_addr = f"{a.host}:{a.router_port}" if a.router_port else ""
     if router_addr:
         r_args = ["--host", a.host, "--port", str(a.router_port)]
@@ -271,10 +275,14 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             r_args += ["--metrics-port", str(a.metrics_port_base + 2)]
         proc = _spawn("router", "embedmesh.services.router.main", r_args, env)
         procs.append(MeshProcess("router", router_addr, proc))
-    for i in range(a.workers):
+    tokenizers: list[str] = []
+    """``name=folder`` for every model besides the default one: the preprocessor's tokenizer and template of it."""
+    for m, i in ((m, j * a.workers + k) for j, m in enumerate(models) for k in range(a.workers)):
+        if m not in ("default", "SmolLM2-135M-Instruct") and i % a.workers == 0 and a.engine != "echo":
+            tokenizers.append(f"{Path(m).name}={Path(m).resolve()}")
         addr = f"{a.host}:{a.worker_port + i}"
         worker_addrs.append(addr)
-        args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", a.model,
+        args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", m,
                 "--threads", str(threads)]
         if router_addr:
             args += ["--routers", router_addr]
@@ -286,7 +294,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             args += ["--lora-modules", *a.lora_modules]
         if a.engine == "vllm" and (a.enable_lora or a.lora_modules):
             args += ["--enable-lora"]
-        if registry.venv_of(a.engine) and a.model in ("default", "SmolLM2-135M-Instruct"):
+        if registry.venv_of(a.engine) and m in ("default", "SmolLM2-135M-Instruct"):
             # An engine's own venv holds no model packages: hand it the converted folder and the served name.
             from embedmesh.models.convert import DEFAULT_MODEL, ensure_default_model
 
@@ -313,6 +321,8 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
         pre_args += ["--routers", router_addr]
     if a.engine == "echo":
         pre_args += ["--tokenizer", a.model]
+    if tokenizers:
+        pre_args += ["--model-tokenizers", ",".join(tokenizers)]
     procs.append(MeshProcess("preprocessor", pre_addr,
                              _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
     gw_addr = f"{'https' if a.gateway_tls else 'http'}://{a.host}:{a.gateway_port}"

@@ -48,6 +48,9 @@ class PreprocessorConfig:
     """On SIGTERM: how long in-flight calls may finish before the worker channels close
     (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
 
+    model_tokenizers: tuple[tuple[str, str], ...] = ()
+    """(served model name, folder) for models other than the default one: each model's tokenizer and chat template
+    (``--model-tokenizers name=folder,...``); models not listed use ``tokenizer``."""
     tool_call_parser: str = "hermes"
     """How tool calls are read from the model's output (``preprocessor/tools.py``; vLLM's flag name)."""
 
@@ -101,17 +104,25 @@ class PreprocessorConfig:
         p.add_argument("--drain-seconds", type=float,
                        default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", cls.drain_seconds)),
                        help="on SIGTERM, how long in-flight calls may finish")
+        p.add_argument("--model-tokenizers", default=env.get("EMBEDMESH_MODEL_TOKENIZERS", ""),
+                       help="name=folder,...: the tokenizer and chat template of each further served model")
         p.add_argument("--tool-call-parser", default=env.get("EMBEDMESH_TOOL_CALL_PARSER", cls.tool_call_parser),
                        help="format of tool calls in the model's output: hermes (<tool_call>{...}</tool_call>)")
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
+        model_tokenizers = []
+        for item in (x.strip() for x in a.model_tokenizers.split(",") if x.strip()):
+            name, sep, folder = item.partition("=")
+            if not sep or not name or not folder:
+                p.error(f"--model-tokenizers: {item!r} is not name=folder")
+            model_tokenizers.append((name, folder))
         try:
             return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
                        metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes,
                        redis_url=a.redis_url, upload_ttl_seconds=a.upload_ttl,
                        routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
                        max_inflight=a.max_inflight, drain_seconds=a.drain_seconds,
-                       tool_call_parser=a.tool_call_parser)
+                       tool_call_parser=a.tool_call_parser, model_tokenizers=tuple(model_tokenizers))
         except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback
             p.error(str(e))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.logs import get_logger, setup_logging
@@ -61,7 +62,9 @@ async def serve(config: PreprocessorConfig) -> None:
                                                   grace_seconds=config.drain_seconds))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, template, config, cache, router), SERVICE_NAME,
+               InferenceServicer(pool, tokenizer, template, config, cache, router,
+                                 texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
+                                        for name, f in config.model_tokenizers}), SERVICE_NAME,
                access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN, "LoadLoraAdapter": Access.ADMIN,
                                               "UnloadLoraAdapter": Access.ADMIN})
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.

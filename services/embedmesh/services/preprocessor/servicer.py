@@ -70,12 +70,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
         self, pool: WorkerPool, tokenizer: Tokenizer, template: ChatTemplate, config: PreprocessorConfig,
         cache: TieredCache, router: RouteClient | None = None,
+        texts: dict[str, tuple[Tokenizer, ChatTemplate]] | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
         self.router = router
         self.tokenizer = tokenizer
         self.template = template
+        self.texts = texts or {}
+        """Served model -> its tokenizer and chat template; models not listed use the default pair above."""
         self.config = config
         self.admission = Admission(config.max_inflight)
         self._router_health: list[health_pb2_grpc.HealthStub] = []
@@ -125,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             vocab_size=info.vocab_size,
             max_tokens=sampling.max_tokens,
             resolve=EmbedsResolver(self.cache, spec, self.config.max_embeds_bytes, sampling.max_tokens),
-            tokenizer=self.tokenizer,
+            tokenizer=self._text(info.model)[0],
             max_prompts=self.config.max_prompts,
             prefix=_raw_embeds(params.prefix, "prompt_embeds_prefix") if params.HasField("prefix") else None,
         )
@@ -141,7 +144,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if params.echo:
             token_prompts = [list(t.ids) for t in params.prompt_token_ids]
             texts = [t for t in params.prompts if t != ""] if token_prompts else list(params.prompts)
-            echo = tuple([self.tokenizer.decode(ids) for ids in token_prompts] + texts)
+            echo = tuple([self._text(info.model)[0].decode(ids) for ids in token_prompts] + texts)
         rid = params.request_id or f"cmpl-{uuid.uuid4().hex}"
         return Job(rid, params.model, prompts, sampling, n, info.dtype, echo=echo, **lora)
 
@@ -183,11 +186,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             parts.extend(ChatPart(text=call_text(c.name, c.arguments)) for c in m.tool_calls)
             messages.append(ChatMessage(m.role, tuple(parts), m.name))
         prompt = await asyncio.to_thread(
-            build_chat_prompt, messages, template=self.template, tokenizer=self.tokenizer, spec=spec,
+            build_chat_prompt, messages, template=self._text(info.model)[1], tokenizer=self._text(info.model)[0],
+            spec=spec,
             max_tokens=sampling.max_tokens, tools=tools,
         )
         rid = params.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return Job(rid, params.model, [prompt], sampling, n, info.dtype, tools=tools, **lora)
+
+    def _text(self, model: str) -> tuple[Tokenizer, ChatTemplate]:
+        """The tokenizer and chat template of a served (base) model."""
+        return self.texts.get(model) or (self.tokenizer, self.template)
 
     def _adapter_of(self, model: str, info: worker_pb2.GetInfoResponse) -> dict[str, str]:
         """Job fields for a request naming a LoRA adapter as its model (empty for a base model)."""
