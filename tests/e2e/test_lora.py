@@ -140,3 +140,39 @@ def test_bad_loads_are_400_naming_the_field(lmesh: Mesh, lclient: Any, body: dic
 def test_unloading_an_unknown_adapter_is_404(lmesh: Mesh) -> None:
     r = httpx.post(f"{lmesh.base_url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_python_client_lists_loads_and_uses_adapters(lmesh: Mesh, lora_root: Path) -> None:
+    import asyncio
+
+    from embedmesh_client import AsyncClient, Client
+
+    with Client(lmesh.preprocessor, timeout=300) as c:
+        resp = c.load_lora_adapter("client-lora", "smol-lora")
+        assert resp.loaded and len(resp.workers) == 2  # default: every generative worker
+        assert [(m.id, m.parent, m.ready_workers) for m in c.list_adapters()] == [("client-lora", MODEL, 2)]
+        text = c.complete("client-lora", prompt=TEXT, max_tokens=6, temperature=0, logprobs=1).choices[0]
+        assert len(text.logprobs) == 6
+
+    async def stream() -> str:
+        async with AsyncClient(lmesh.preprocessor, timeout=300) as ac:
+            parts = [m.text async for m in ac.stream_chat("client-lora", [{"role": "user", "content": "Hi"}],
+                                                          max_tokens=4, temperature=0)]
+            await ac.unload_lora_adapter("client-lora")
+            assert await ac.list_adapters() == []
+            return "".join(parts)
+
+    assert asyncio.run(stream())
+
+
+def test_sleep_mode_routes_answer_clearly_on_this_cpu(lmesh: Mesh) -> None:
+    """vLLM's /sleep, /wake_up, /is_sleeping: the hf engine has no sleep mode, so /sleep is a clear 400 and nothing
+    changes; /is_sleeping answers for every generative worker."""
+    r = httpx.post(f"{lmesh.base_url}/sleep?level=1", timeout=60)
+    assert r.status_code == 400, r.text
+    assert "sleep is not supported by the hf engine" in r.json()["error"]["message"]
+    r = httpx.post(f"{lmesh.base_url}/sleep?level=3", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level"
+    r = httpx.get(f"{lmesh.base_url}/is_sleeping", timeout=60)
+    assert r.status_code == 200 and r.json() == {"is_sleeping": False, "sleeping_workers": []}
+    assert httpx.post(f"{lmesh.base_url}/wake_up", timeout=60).status_code == 400  # nothing to wake: same refusal

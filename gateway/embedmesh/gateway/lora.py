@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from embedmesh.gateway.errors import bad_request, from_grpc
@@ -64,5 +64,32 @@ def lora_routes(gw: Gateway) -> list[Route]:
             raise from_grpc(e) from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    async def sleep(request: Request) -> Response:
+        level = request.query_params.get("level", "1")
+        if level not in ("1", "2"):
+            raise bad_request("level", "must be 1 or 2", "invalid_value")
+        try:
+            resp = await gw.stub.SleepWorkers(inference_pb2.SleepWorkersRequest(level=int(level)), timeout=_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return JSONResponse({"workers": list(resp.workers)})
+
+    async def wake_up(request: Request) -> Response:
+        try:
+            resp = await gw.stub.WakeUpWorkers(inference_pb2.WakeUpWorkersRequest(), timeout=_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return JSONResponse({"workers": list(resp.workers)})
+
+    async def is_sleeping(request: Request) -> Response:
+        try:
+            resp = await gw.stub.IsSleeping(inference_pb2.IsSleepingRequest(), timeout=60)
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e) from None
+        return JSONResponse({"is_sleeping": resp.is_sleeping, "sleeping_workers": list(resp.sleeping)})
+
     return [Route("/v1/load_lora_adapter", load, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", unload, methods=["POST"])]
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+            # vLLM's sleep-mode routes (its dev-mode names); the admin plane, like the LoRA routes.
+            Route("/sleep", sleep, methods=["POST"]), Route("/wake_up", wake_up, methods=["POST"]),
+            Route("/is_sleeping", is_sleeping, methods=["GET"])]

@@ -66,7 +66,8 @@ async def serve(config: PreprocessorConfig) -> None:
                                  texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
                                         for name, f in config.model_tokenizers}), SERVICE_NAME,
                access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN, "LoadLoraAdapter": Access.ADMIN,
-                                              "UnloadLoraAdapter": Access.ADMIN})
+                                              "UnloadLoraAdapter": Access.ADMIN, "SleepWorkers": Access.ADMIN,
+                                              "WakeUpWorkers": Access.ADMIN, "IsSleeping": Access.ADMIN})
     # The encoder cache's API on the same port, over the same in-process cache: an upload is an L1 hit here.
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
                EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE,

@@ -339,6 +339,43 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 ready_workers=sum(1 for w in holders if w.healthy), created=p.created))
         return inference_pb2.ListModelsResponse(models=out)
 
+    # --- sleep mode (admin) -----------------------------------------------------------------------------------
+    async def SleepWorkers(  # noqa: N802
+        self, request: inference_pb2.SleepWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.SleepWorkersResponse:
+        if request.level not in (1, 2):
+            raise InvalidArgument("level must be 1 or 2", field="level", reason="OUT_OF_RANGE")
+        targets = _generative(self.pool, request.workers)
+        await self._all(targets, lambda w: w.stub.Sleep(worker_pb2.SleepRequest(level=request.level), timeout=300))
+        return inference_pb2.SleepWorkersResponse(workers=[w.name for w in targets])
+
+    async def WakeUpWorkers(  # noqa: N802
+        self, request: inference_pb2.WakeUpWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.WakeUpWorkersResponse:
+        targets = [w for w in self.pool.workers if w.info is not None and w.info.task != worker_pb2.MODEL_TASK_EMBED
+                   and (not request.workers or w.name in set(request.workers))]
+        _generative(self.pool, request.workers)  # unknown ids refused
+        await self._all(targets, lambda w: w.stub.WakeUp(worker_pb2.WakeUpRequest(), timeout=300))
+        return inference_pb2.WakeUpWorkersResponse(workers=[w.name for w in targets])
+
+    async def IsSleeping(  # noqa: N802
+        self, request: inference_pb2.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.IsSleepingResponse:
+        targets = [w for w in self.pool.workers if w.info is not None and w.info.task != worker_pb2.MODEL_TASK_EMBED]
+        stats = await asyncio.gather(*(w.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=10) for w in targets),
+                                     return_exceptions=True)
+        asleep = [w.name for w, s in zip(targets, stats, strict=True)
+                  if not isinstance(s, BaseException) and s.sleeping]
+        return inference_pb2.IsSleepingResponse(is_sleeping=bool(targets) and len(asleep) == len(targets),
+                                                sleeping=asleep)
+
+    async def _all(self, targets: list[Any], call: Any) -> None:
+        """Call every target; the first refusal (e.g. sleep mode unavailable) is the answer."""
+        results = await asyncio.gather(*(call(w) for w in targets), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise from_rpc_error(failed) if isinstance(failed, grpc.aio.AioRpcError) else failed
+
     # --- LoRA adapters (admin) --------------------------------------------------------------------------------
     async def LoadLoraAdapter(  # noqa: N802
         self, request: inference_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
@@ -470,6 +507,20 @@ def _structured_field(s: Structured) -> str:
     return {"json_schema": "response_format.json_schema.schema", "json_object": "response_format",
             "regex": "structured_outputs.regex", "choice": "structured_outputs.choice",
             "grammar": "structured_outputs.grammar"}[s.kind]
+
+
+def _generative(pool: WorkerPool, ids: Any) -> list[Any]:
+    """Serving generative workers, or those of ``ids`` (worker ids; an unknown one is an INVALID_ARGUMENT)."""
+    targets = [w for w in pool.workers
+               if w.healthy and w.info is not None and w.info.task != worker_pb2.MODEL_TASK_EMBED]
+    if ids:
+        known = {w.name for w in pool.workers}
+        unknown = [x for x in ids if x not in known]
+        if unknown:
+            raise InvalidArgument(f"workers: {unknown} are not workers of this mesh (see /health)", field="workers",
+                                  reason="UNKNOWN_WORKER")
+        targets = [w for w in pool.workers if w.name in set(ids)]
+    return targets
 
 
 def _lora_error(e: BaseException) -> Exception:

@@ -63,6 +63,8 @@ class WorkerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters loaded at start, before the worker serves: (name, folder under the LoRA root) pairs, given as
     ``--lora-modules name=path ...`` (vLLM's flag)."""
+    enable_sleep_mode: bool = False
+    """vllm worker: create the engine with vLLM's sleep mode, so Sleep releases memory (GPUs only)."""
     vllm_block_size: int = 0
     """vllm worker: vLLM's KV block size in positions (0 = vLLM's default: 16 on GPUs, 128 on CPUs)."""
     kv_cache_memory_bytes: int = 0
@@ -139,6 +141,9 @@ class WorkerConfig:
                        help="adapters load only from folders under this one")
         p.add_argument("--lora-modules", nargs="*", default=env.get("EMBEDMESH_LORA_MODULES", "").split(),
                        metavar="NAME=PATH", help="LoRA adapters to load before serving (folders under --lora-root)")
+        p.add_argument("--enable-sleep-mode", action="store_true",
+                       default=env.get("EMBEDMESH_VLLM_ENABLE_SLEEP_MODE") == "1",
+                       help="vllm worker: vLLM's sleep mode (GPUs), so Sleep releases memory")
         p.add_argument("--vllm-block-size", type=int, default=int(env.get("EMBEDMESH_VLLM_BLOCK_SIZE", 0)))
         p.add_argument("--kv-cache-memory-bytes", type=int,
                        default=int(env.get("EMBEDMESH_VLLM_KV_CACHE_MEMORY_BYTES", 0)))

@@ -131,4 +131,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             aborted_requests=s.aborted_requests,
             generated_tokens=s.generated_tokens,
             max_batch_seen=s.max_batch_seen,
+            sleeping=s.sleeping,
         )

@@ -29,3 +29,13 @@ def test_an_unknown_name_lists_the_known_ones() -> None:
 def test_a_name_cannot_be_registered_twice() -> None:
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(registry.spec("echo"))
+
+
+def test_vllm_gets_sleep_mode_and_lora_from_the_worker_flags() -> None:
+    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
+
+    config = WorkerConfig.from_args(["--engine", "vllm", "--enable-sleep-mode", "--enable-lora"])
+    engine = registry.build_engine(config)
+    assert isinstance(engine, VLLMEngine)
+    assert engine.config.enable_sleep_mode and engine.config.enable_lora
+    assert not registry.build_engine(WorkerConfig.from_args(["--engine", "vllm"])).config.enable_sleep_mode

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from embedmesh.core.block_hash import ROOT, block_hashes  # noqa: E402
-from embedmesh.core.errors import Unavailable  # noqa: E402
+from embedmesh.core.errors import FailedPrecondition, Unavailable  # noqa: E402
 from embedmesh.services.worker.engines.base import (  # noqa: E402
     EmbedsSegment,
     FinishReason,
@@ -240,7 +240,10 @@ def _platform(monkeypatch: pytest.MonkeyPatch, sleep_mode: bool) -> None:
 
 def test_asleep_worker_refuses_generation_clearly_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
     _platform(monkeypatch, sleep_mode=True)
-    e, fake = engine()
+    off, _ = engine()
+    with pytest.raises(FailedPrecondition, match="--enable-sleep-mode"):  # on a GPU, sleep needs the engine flag
+        asyncio.run(off.sleep(1))
+    e, fake = engine(enable_sleep_mode=True)
     fake.script = [_Output([_Completion("x", [1], "stop")], True)]
     calls: list[Any] = []
 

@@ -130,6 +130,7 @@ class EngineStats:
     aborted_requests: int = 0
     generated_tokens: int = 0
     max_batch_seen: int = 0
+    sleeping: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,8 @@ def _vllm(config: WorkerConfig) -> Engine:
                                  kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
                                  kv_events=config.kv_events and bool(config.routers),
                                  kv_event_block_size=config.block_size,
-                                 ready_timeout_seconds=config.ready_timeout))
+                                 ready_timeout_seconds=config.ready_timeout,
+                                 enable_sleep_mode=config.enable_sleep_mode))
 
 
 def _sglang(config: WorkerConfig) -> Engine:

@@ -89,6 +89,8 @@ class VLLMConfig:
     """Publish KV cache events for the router (vLLM's ZMQ publisher, translated to the mesh's hashes)."""
     kv_event_block_size: int = 16
     """The mesh's routing block size (the preprocessor's); the translated events hash blocks of this size."""
+    enable_sleep_mode: bool = False
+    """vLLM's sleep mode (GPUs: CUDA's memory pool), so Sleep really releases memory; vLLM's own flag name."""
 
 
 class VLLMEngine(Engine):
@@ -137,6 +139,7 @@ class VLLMEngine(Engine):
             **({"max_lora_rank": self.config.max_lora_rank, "max_loras": self.config.max_loras}
                if self.config.enable_lora else {}),
             **kv_events,
+            **({"enable_sleep_mode": True} if self.config.enable_sleep_mode else {}),
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[self._metrics.factory()])
 
@@ -168,6 +171,7 @@ class VLLMEngine(Engine):
         self._stats.active_requests = len(self._running)
         self._stats.queued_requests = self._metrics.latest.num_waiting
         self._stats.max_batch_seen = max(self._stats.max_batch_seen, self._metrics.latest.num_running)
+        self._stats.sleeping = self._asleep
         return self._stats
 
     def engine_metrics(self) -> VLLMEngineMetrics:
@@ -421,6 +425,9 @@ class VLLMEngine(Engine):
     async def sleep(self, level: int) -> None:
         from vllm.platforms import current_platform
 
+        if current_platform.is_sleep_mode_available() and not self.config.enable_sleep_mode:
+            raise FailedPrecondition("sleep mode is off on this worker; start it with --enable-sleep-mode",
+                                     reason="SLEEP_MODE_DISABLED")
         if not current_platform.is_sleep_mode_available():
             raise FailedPrecondition(f"sleep mode is not available on {current_platform.device_type} in vLLM "
                                      "(it needs CUDA's memory pool); the worker keeps serving",
