@@ -49,16 +49,18 @@ def _reference(hf_model: Any, context: str, continuation: str) -> float:
     return sum(float(rows[t - 1][whole[t]]) for t in range(n_ctx, len(whole)))
 
 
-def test_lm_eval_local_completions_scores_like_transformers(mesh: Any, hf_model: Any, tmp_path: Path) -> None:
-    pytest.importorskip("lm_eval")
+def run_lm_eval(base_url: str, model: str, tmp_path: Path) -> tuple[list[tuple[str, str, float]], float]:
+    """Run lm-eval's local-completions model on the shipped task against ``base_url`` (an OpenAI-compatible
+    server); return (context, continuation, loglikelihood) of every request, and the accuracy."""
     from embedmesh.models import ensure_default_model
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copy(TASK / "mc.jsonl", tmp_path / "mc.jsonl")
     (tmp_path / "embedmesh_mc.yaml").write_text(YAML.format(data=tmp_path / "mc.jsonl"))
     out = tmp_path / "out"
     args = [
         sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-        f"model={MODEL},base_url={mesh.base_url}/v1/completions,tokenizer_backend=huggingface,"
+        f"model={model},base_url={base_url}/v1/completions,tokenizer_backend=huggingface,"
         f"tokenizer={ensure_default_model()},tokenized_requests=True,num_concurrent=1,max_retries=1",
         "--tasks", "embedmesh_mc", "--include_path", str(tmp_path), "--batch_size", "1", "--log_samples",
         "--output_path", str(out),
@@ -69,17 +71,24 @@ def test_lm_eval_local_completions_scores_like_transformers(mesh: Any, hf_model:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     samples = [json.loads(line) for p in out.rglob("samples_embedmesh_mc_*.jsonl") for line in p.open()]
     assert len(samples) == 20
-    checked = 0
-    for s in samples:
-        args = s["arguments"]
-        pairs = list(args.values()) if isinstance(args, dict) else args
+    rows = []
+    for s in sorted(samples, key=lambda x: x["doc_id"]):
+        args_ = s["arguments"]
+        pairs = list(args_.values()) if isinstance(args_, dict) else args_
         for pair, resp in zip(pairs, s["resps"], strict=True):
             context, continuation = (pair["arg_0"], pair["arg_1"]) if isinstance(pair, dict) else pair
             got = resp
             while isinstance(got, list):  # [[loglikelihood, is_greedy]]
                 got = got[0]
-            assert float(got) == pytest.approx(_reference(hf_model, context, continuation), abs=1e-3)
-            checked += 1
-    assert checked == 60
+            rows.append((context, continuation, float(got)))
     results = json.loads(next(out.rglob("results_*.json")).read_text())
-    assert 0.0 <= results["results"]["embedmesh_mc"]["acc,none"] <= 1.0
+    return rows, float(results["results"]["embedmesh_mc"]["acc,none"])
+
+
+def test_lm_eval_local_completions_scores_like_transformers(mesh: Any, hf_model: Any, tmp_path: Path) -> None:
+    pytest.importorskip("lm_eval")
+    rows, accuracy = run_lm_eval(mesh.base_url, MODEL, tmp_path)
+    assert len(rows) == 60
+    for context, continuation, got in rows:
+        assert got == pytest.approx(_reference(hf_model, context, continuation), abs=1e-3)
+    assert 0.0 <= accuracy <= 1.0
