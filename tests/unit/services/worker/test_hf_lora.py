@@ -1,5 +1,5 @@
 """LoRA adapters on the hf engine (peft): the adapter's greedy text equals transformers + peft computing it
-directly, base requests beside adapter requests are unaffected (batches grouped by adapter), a name loads once
+directly, base requests in the same continuous batch are unaffected (mixed-adapter batches), a name loads once
 under concurrency, a bad folder leaves nothing loaded, unloading lets running requests finish."""
 
 from __future__ import annotations
@@ -83,6 +83,12 @@ async def test_adapter_text_equals_peft_and_base_is_unaffected(engine: Any, adap
     assert with_adapter == reference(adapter)
     assert base == base_before == reference(None)
     assert with_adapter != base
+    # Two adapters and the base model decoded in one batch: each row keeps its own weights.
+    await engine.load_lora("smol-lora-b", str(adapter))
+    assert engine.stats().max_batch_seen >= 2
+    mixed = await asyncio.gather(run(engine, "smol-lora"), run(engine), run(engine, "smol-lora-b"))
+    assert mixed == [with_adapter, base, with_adapter]
+    await engine.unload_lora("smol-lora-b")
 
 
 async def test_unknown_adapter_and_bad_folders(engine: Any, tmp_path: Path) -> None:

@@ -26,7 +26,6 @@ Failure is contained (the engine thread must outlive any request):
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import math
 import queue
@@ -132,9 +131,6 @@ class HFEngine(Engine):
         self._unloading: set[str] = set()
         self._peft = False
         """Whether ``self.model`` is a peft model (after the first adapter load)."""
-        self._deferred: collections.deque[_Seq] = collections.deque()
-        """Sequences taken from the inbox whose adapter differs from the running batch's: a batch runs one adapter
-        (or the base model) at a time; they start as soon as the batch of the other adapter has drained."""
         self._structured: Any = None
         """``StructuredCompiler`` for this tokenizer, built on first use (in the engine thread)."""
 
@@ -195,7 +191,7 @@ class HFEngine(Engine):
 
     def stats(self) -> EngineStats:
         s = self._stats
-        s.queued_requests = self._inbox.qsize() + len(self._deferred)
+        s.queued_requests = self._inbox.qsize()
         s.active_requests = len(self._by_id)
         return s
 
@@ -209,8 +205,7 @@ class HFEngine(Engine):
             failed = f"engine thread failed: {self._failed!r}"
         elif self._thread is not None and not self._thread.is_alive() and not self._stopping:
             failed = "engine thread exited"
-        busy = self._active > 0 or self._inbox.qsize() > 0 or bool(self._deferred)
-        return EngineProgress(steps=self._steps, busy=busy, failed=failed)
+        return EngineProgress(steps=self._steps, busy=self._active > 0 or self._inbox.qsize() > 0, failed=failed)
 
     def fail_all(self, error: Exception) -> int:
         if isinstance(error, EmbedmeshError):
@@ -298,13 +293,9 @@ class HFEngine(Engine):
             with torch.inference_mode():
                 while True:
                     self._active = len(rows)
-                    room = self.config.max_batch_size - len(rows)
-                    incoming = self._take(block=not rows and not self._deferred, room=room)
+                    incoming = self._take(block=not rows, room=self.config.max_batch_size - len(rows))
                     if incoming is None:
-                        self._fail_deferred(Unavailable("the worker is shutting down; retry", reason="DRAINING",
-                                                        retry_after_seconds=1.0))
                         return
-                    incoming = self._same_adapter(rows, incoming, room)
                     self._active = len(rows) + len(incoming)
                     live = [s for s in incoming if not self._abort_if_needed(s)]
                     with self._model_lock:
@@ -318,7 +309,7 @@ class HFEngine(Engine):
             self._failed = e
             log.exception("engine thread failed; the worker must be restarted")
             error = self._unavailable() or Unavailable("the engine failed", reason="ENGINE_FAILED")
-            for s in [*rows, *(incoming or []), *self._deferred]:
+            for s in [*rows, *(incoming or [])]:
                 s.emit(error)
             # Sequences still in the inbox would wait forever: nobody takes them any more.
             while True:
@@ -422,36 +413,12 @@ class HFEngine(Engine):
             raise InternalError("the sampled token breaks the structured-output constraint")
         self._accept(s, token, lp)
 
-    def _same_adapter(self, rows: list[_Seq], incoming: list[_Seq], room: int) -> list[_Seq]:
-        """Of the deferred and newly taken sequences, those that may join the batch now: the running batch's
-        adapter (or, with no batch, the oldest waiting sequence's), up to ``room``; the rest wait, in order."""
-        candidates = [*self._deferred, *incoming]
-        self._deferred.clear()
-        candidates = [s for s in candidates if not self._abort_if_needed(s)]
-        if not candidates:
-            return []
-        adapter = rows[0].request.lora_adapter if rows else candidates[0].request.lora_adapter
-        take: list[_Seq] = []
-        for s in candidates:
-            if s.request.lora_adapter == adapter and len(take) < max(room, 0):
-                take.append(s)
-            else:
-                self._deferred.append(s)
-        return take
-
-    def _fail_deferred(self, error: Exception) -> None:
-        while self._deferred:
-            self._fail(self._deferred.popleft(), error)
-
-    def _adapter(self, rows: list[_Seq]) -> Any:
-        """The context a forward pass of ``rows`` (one adapter, see ``_same_adapter``) runs in."""
+    def _adapters(self, rows: list[_Seq]) -> dict[str, Any]:
+        """Forward-pass arguments giving each row its own adapter (peft's mixed-adapter batches: one continuous batch
+        holds base-model rows and rows of any loaded adapters), or nothing before the first adapter is loaded."""
         if not self._peft:
-            return contextlib.nullcontext()
-        name = rows[0].request.lora_adapter if rows else ""
-        if not name:
-            return self.model.disable_adapter()
-        self.model.set_adapter(name)
-        return contextlib.nullcontext()
+            return {}
+        return {"adapter_names": [s.request.lora_adapter or "__base__" for s in rows]}
 
     # --- LoRA adapters (peft) ----------------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> bool:
@@ -605,11 +572,10 @@ class HFEngine(Engine):
         positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
         new_cache = DynamicCache()
         scored = [s.request.sampling.prompt_logprobs is not None for s in ready]
-        with self._adapter(ready):
-            out = self.model(
-                inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
-                use_cache=True, logits_to_keep=0 if any(scored) else 1,
-            )
+        out = self.model(
+            inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
+            use_cache=True, logits_to_keep=0 if any(scored) else 1, **self._adapters(ready),
+        )
         for i, s in enumerate(ready):
             s.position = embeds[i].shape[0]
             if scored[i]:
@@ -663,11 +629,10 @@ class HFEngine(Engine):
         ids = torch.tensor([[s.pending] for s in rows], dtype=torch.long)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
         positions = torch.tensor([[s.position] for s in rows], dtype=torch.long)
-        with self._adapter(rows):
-            out = self.model(
-                inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True,
-            )
+        out = self.model(
+            inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, **self._adapters(rows),
+        )
         for s in rows:
             s.position += 1
         self._sample_rows(out.logits[:, -1, :].float(), rows)
