@@ -118,3 +118,13 @@ async def test_unload_lets_running_requests_finish(engine: Any, adapter: Path) -
     assert "smol-lora-2" not in await engine.list_loras()
     with pytest.raises(InvalidArgument):
         await run(engine, "smol-lora-2")
+
+
+async def test_adapters_load_again_after_all_were_unloaded(engine: Any, adapter: Path) -> None:
+    for name in list(await engine.list_loras()):
+        await engine.unload_lora(name)
+    base = await run(engine)
+    assert base == reference(None)  # no adapter left: the plain model
+    await engine.load_lora("again", str(adapter))
+    assert await run(engine, "again") == reference(adapter)
+    assert await run(engine) == base

@@ -130,6 +130,7 @@ class HFEngine(Engine):
         self._lora_loading: dict[str, asyncio.Future[bool]] = {}
         self._unloading: set[str] = set()
         self._peft = False
+        self._plain: Any = None
         """Whether ``self.model`` is a peft model (after the first adapter load)."""
         self._structured: Any = None
         """``StructuredCompiler`` for this tokenizer, built on first use (in the engine thread)."""
@@ -416,9 +417,15 @@ class HFEngine(Engine):
     def _adapters(self, rows: list[_Seq]) -> dict[str, Any]:
         """Forward-pass arguments giving each row its own adapter (peft's mixed-adapter batches: one continuous batch
         holds base-model rows and rows of any loaded adapters), or nothing before the first adapter is loaded."""
-        if not self._peft:
+        if not self._peft or not self.model.peft_config:
             return {}
         return {"adapter_names": [s.request.lora_adapter or "__base__" for s in rows]}
+
+    def _net(self) -> Any:
+        """The module a forward pass runs: the peft model while adapters are loaded, else the (base) model."""
+        if self._peft and not self.model.peft_config:
+            return self._plain  # every adapter unloaded: peft has no active adapter to consult
+        return self.model
 
     # --- LoRA adapters (peft) ----------------------------------------------------------------------------------
     async def load_lora(self, name: str, path: str) -> bool:
@@ -455,10 +462,13 @@ class HFEngine(Engine):
                 if not self._peft:
                     from peft import PeftModel
 
+                    self._plain = self.model  # the transformers model (peft injects its layers into it)
                     self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
                     self._peft = True
                 else:
                     self.model.load_adapter(path, adapter_name=name)
+                if self.model.active_adapter not in self.model.peft_config:
+                    self.model.set_adapter(name)  # the active one was unloaded; peft needs a live one to consult
                 self.model.eval()
             except Exception as e:  # noqa: BLE001 - a bad folder is the caller's error; leave nothing behind
                 if self._peft and name in getattr(self.model, "peft_config", {}):
@@ -486,6 +496,9 @@ class HFEngine(Engine):
     def _delete_adapter(self, name: str) -> None:
         with self._model_lock:
             self.model.delete_adapter(name)
+            left = list(self.model.peft_config)
+            if left and self.model.active_adapter not in left:
+                self.model.set_adapter(left[0])
 
     async def list_loras(self) -> dict[str, str]:
         return {n: p for n, p in self._loras.items() if n not in self._unloading}
@@ -572,7 +585,7 @@ class HFEngine(Engine):
         positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
         new_cache = DynamicCache()
         scored = [s.request.sampling.prompt_logprobs is not None for s in ready]
-        out = self.model(
+        out = self._net()(
             inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
             use_cache=True, logits_to_keep=0 if any(scored) else 1, **self._adapters(ready),
         )
@@ -629,7 +642,7 @@ class HFEngine(Engine):
         ids = torch.tensor([[s.pending] for s in rows], dtype=torch.long)
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
         positions = torch.tensor([[s.position] for s in rows], dtype=torch.long)
-        out = self.model(
+        out = self._net()(
             inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
             use_cache=True, **self._adapters(rows),
         )
