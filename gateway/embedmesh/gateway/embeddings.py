@@ -36,8 +36,16 @@ def _token_ids(ids: list[int], name: str) -> inference_pb2.TokenIds:
     return inference_pb2.TokenIds(ids=ids)
 
 
+_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
+"""Every field /v1/embeddings accepts (``user`` is accepted and ignored); any other is a 400 naming it."""
+
+
 def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str]:
     """The public gRPC request for an OpenAI body, and the encoding the response must use."""
+    for name in body:
+        if name not in _FIELDS:
+            raise bad_request(name, "is not a parameter this server knows; remove it (see docs/openai-fields.md "
+                                    "for the accepted ones)", "unknown_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "is required (an embedding model; see GET /v1/models)", "missing")

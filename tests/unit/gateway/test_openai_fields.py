@@ -121,3 +121,9 @@ def test_streamed_logprobs_continue_text_offsets_and_tool_calls_come_as_one_delt
     calls = [d for c in chunks for ch in c["choices"] for d in ch["delta"].get("tool_calls", [])]
     assert calls == [{"index": 0, "id": "call_b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     assert [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]] == ["tool_calls"]
+
+
+def test_unknown_fields_are_refused_on_embeddings_too(gw: Harness) -> None:
+    r = post(gw, "/v1/embeddings", {"model": MODEL, "input": "hi", "normalize": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "normalize"
+    assert r.json()["error"]["code"] == "unknown_parameter"
