@@ -48,12 +48,20 @@ FINISH = {
 # Parameters of OpenAI's API this server does not implement: (is it set to something other than the default?,
 # what to tell the caller). Neutral values (best_of=1, suffix="") are accepted and ignored.
 _Check = tuple[Callable[[Any], bool], str]
+_UNSUPPORTED_BOTH: dict[str, _Check] = {
+    "store": (lambda v: v is not None and v is not False,
+              "is not supported by this server: it stores no completions (only false is accepted)"),
+    "min_p": (lambda v: v is not None and not (_is_num(v) and v == 0),
+              "is not supported by this server (top_k and top_p are; only 0 is accepted)"),
+}
 _UNSUPPORTED_COMPLETIONS: dict[str, _Check] = {
+    **_UNSUPPORTED_BOTH,
     "suffix": (lambda v: v not in (None, ""), "is not supported by this server: it does no insertion (fill-in-the-"
                                               "middle) completion"),
     "best_of": (lambda v: v not in (None, 1), "is not supported by this server: only 1 is accepted (use n)"),
 }
 _UNSUPPORTED_CHAT: dict[str, _Check] = {
+    **_UNSUPPORTED_BOTH,
     "functions": (lambda v: bool(v), "is not supported by this server: use tools (the functions API is "
                                      "deprecated)"),
     "function_call": (lambda v: v is not None, "is not supported by this server: use tool_choice"),
@@ -70,7 +78,8 @@ _SAMPLING_FIELDS = frozenset({
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
-"""Accepted and ignored (they change nothing a client can observe here); listed in docs/openai-fields.md."""
+"""Accepted and ignored (they change nothing a client can observe here; ``store`` only when false); listed in
+docs/openai-fields.md."""
 COMPLETION_FIELDS = _SAMPLING_FIELDS | IGNORED_FIELDS | frozenset(_UNSUPPORTED_COMPLETIONS) | {
     "prompt", "prompt_embeds", "prompt_embeds_prefix", "echo", "logprobs", "prompt_logprobs",
 }
