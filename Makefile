@@ -55,9 +55,11 @@ $(VLLM_VENV)/.complete: scripts/vllm_venv.sh
 vllm-venv: $(VLLM_VENV)/.complete
 
 # The TypeScript client, built from the same protos (npm registry packages, pinned by package-lock.json).
-ts-client: clients/typescript/dist/complete.js
+ts-client: clients/typescript/dist/complete.js clients/typescript/dist/models.js
 
-clients/typescript/dist/complete.js: clients/typescript/package.json clients/typescript/src/*.ts
+# One tsc run writes every script (GNU make grouped targets).
+clients/typescript/dist/complete.js clients/typescript/dist/models.js &: clients/typescript/package.json \
+		clients/typescript/package-lock.json clients/typescript/src/*.ts
 	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
 
 test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv

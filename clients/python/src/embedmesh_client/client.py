@@ -1,8 +1,11 @@
-"""Sync and async clients for the public gRPC API (InferenceService, EncoderCacheService) of the preprocessor.
+"""Sync and async clients for the public gRPC API: InferenceService and EncoderCacheService (the preprocessor) and
+VectorStoreService (the vector-store service: its own process and port, ``vector_store_address``).
 
 Options: TLS (``tls=True`` or your own ``grpc.ChannelCredentials``), an API key sent as ``authorization: Bearer``
 metadata, a default deadline, and retries with exponential backoff for idempotent calls only (ListModels, Embed,
-upload: content-addressed, so repeating it is harmless). Generation is never retried.
+upload: content-addressed, so repeating it is harmless; the vector store's reads and searches). Generation is never
+retried, nor is anything that creates or deletes a file or a vector store (a repeat would create a second one, or
+report NOT_FOUND for a delete that went through).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import numpy as np
 
 from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.vectorstore.v1 import vectorstore_pb2, vectorstore_pb2_grpc
+from embedmesh_client import vector_stores as vs
 from embedmesh_client.errors import from_rpc_error
 from embedmesh_client.requests import chat_params, completion_params, embed_request, put_messages
 from embedmesh_client.tensors import from_tensor
@@ -42,16 +47,46 @@ def _credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials
     return tls or None
 
 
+def _create_store_request(name: str, file_ids: Sequence[str], chunking_strategy: Any, expires_after: Any,
+                          metadata: dict[str, str] | None) -> vectorstore_pb2.CreateVectorStoreRequest:
+    req = vectorstore_pb2.CreateVectorStoreRequest(name=name, file_ids=list(file_ids), metadata=metadata or {})
+    chunking = vs.chunking_strategy(chunking_strategy)
+    if chunking is not None:
+        req.chunking_strategy.CopyFrom(chunking)
+    if expires_after is not None:
+        req.expires_after.CopyFrom(vs.expires_after(expires_after))
+    return req
+
+
+def _create_store_file_request(store_id: str, file_id: str, attributes: dict[str, vs.Attribute] | None,
+                               chunking_strategy: Any) -> vectorstore_pb2.CreateVectorStoreFileRequest:
+    req = vectorstore_pb2.CreateVectorStoreFileRequest(vector_store_id=store_id, file_id=file_id,
+                                                       attributes=vs.attributes(attributes))
+    chunking = vs.chunking_strategy(chunking_strategy)
+    if chunking is not None:
+        req.chunking_strategy.CopyFrom(chunking)
+    return req
+
+
 class Client:
     """Blocking client. Use as a context manager or call ``close()``."""
 
     def __init__(self, address: str, *, tls: bool | grpc.ChannelCredentials = False, api_key: str | None = None,
-                 timeout: float = 300.0, retries: int = 3, max_message_bytes: int = 512 << 20) -> None:
+                 timeout: float = 300.0, retries: int = 3, max_message_bytes: int = 512 << 20,
+                 vector_store_address: str | None = None) -> None:
+        """``address``: the preprocessor. ``vector_store_address``: the vector-store service (``make run``:
+        127.0.0.1:50101); default ``address``, for a proxy that routes by gRPC service name."""
         creds = _credentials(tls)
         opts = _options(max_message_bytes)
-        self._channel = grpc.secure_channel(address, creds, opts) if creds else grpc.insecure_channel(address, opts)
+
+        def channel(target: str) -> grpc.Channel:
+            return grpc.secure_channel(target, creds, opts) if creds else grpc.insecure_channel(target, opts)
+
+        self._channel = channel(address)
+        self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
+        self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
@@ -64,6 +99,8 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+        if self._vs_channel is not None:
+            self._vs_channel.close()
 
     def _call(self, fn: Callable[[], T], idempotent: bool) -> T:
         delay = 0.1
@@ -138,18 +175,115 @@ class Client:
         return self._call(lambda: self._inference.UnloadLoraAdapter(req, timeout=self.timeout, metadata=self._md),
                           False)
 
+    # --- vector stores (VectorStoreService at ``vector_store_address``) ------------------------------------------
+    def upload_file(self, data: bytes, filename: str, purpose: str = "assistants",
+                    content_type: str = "") -> vectorstore_pb2.File:
+        """Upload a text file (text/plain, text/markdown or JSON) in 1 MiB chunks; returns it with its "file-..." id.
+        Not retried: each upload stores a new file."""
+        return self._call(lambda: self._vs.UploadFile(vs.upload_file_messages(data, filename, purpose, content_type),
+                                                      timeout=self.timeout, metadata=self._md), False).file
+
+    def list_files(self, purpose: str = "", *, limit: int | None = None, order: str | None = None,
+                   after: str | None = None, before: str | None = None) -> vectorstore_pb2.ListFilesResponse:
+        """One page (``.data``, ``.page.has_more`` / ``.page.last_id`` for the next ``after``), newest first."""
+        req = vectorstore_pb2.ListFilesRequest(purpose=purpose, page=vs.page_request(limit, order, after, before))
+        return self._call(lambda: self._vs.ListFiles(req, timeout=self.timeout, metadata=self._md), True)
+
+    def get_file(self, file_id: str) -> vectorstore_pb2.File:
+        req = vectorstore_pb2.GetFileRequest(file_id=file_id)
+        return self._call(lambda: self._vs.GetFile(req, timeout=self.timeout, metadata=self._md), True).file
+
+    def get_file_content(self, file_id: str) -> bytes:
+        req = vectorstore_pb2.GetFileContentRequest(file_id=file_id)
+        return self._call(lambda: b"".join(m.chunk for m in self._vs.GetFileContent(
+            req, timeout=self.timeout, metadata=self._md)), True)
+
+    def delete_file(self, file_id: str) -> vectorstore_pb2.DeleteFileResponse:
+        """Delete a file and remove it from every vector store that holds it."""
+        req = vectorstore_pb2.DeleteFileRequest(file_id=file_id)
+        return self._call(lambda: self._vs.DeleteFile(req, timeout=self.timeout, metadata=self._md), False)
+
+    def create_vector_store(self, name: str = "", file_ids: Sequence[str] = (), *, chunking_strategy: Any = None,
+                            expires_after: Any = None,
+                            metadata: dict[str, str] | None = None) -> vectorstore_pb2.VectorStore:
+        """A new "vs_..." store; its files are ingested in the background (poll ``get_vector_store`` until
+        ``file_counts.in_progress`` is 0). ``chunking_strategy``: ``{"type": "static", "static":
+        {"max_chunk_size_tokens": 400, "chunk_overlap_tokens": 100}}``; ``expires_after``: ``{"days": 7}``."""
+        req = _create_store_request(name, file_ids, chunking_strategy, expires_after, metadata)
+        return self._call(lambda: self._vs.CreateVectorStore(req, timeout=self.timeout, metadata=self._md),
+                          False).vector_store
+
+    def list_vector_stores(self, *, limit: int | None = None, order: str | None = None, after: str | None = None,
+                           before: str | None = None) -> vectorstore_pb2.ListVectorStoresResponse:
+        req = vectorstore_pb2.ListVectorStoresRequest(page=vs.page_request(limit, order, after, before))
+        return self._call(lambda: self._vs.ListVectorStores(req, timeout=self.timeout, metadata=self._md), True)
+
+    def get_vector_store(self, store_id: str) -> vectorstore_pb2.VectorStore:
+        req = vectorstore_pb2.GetVectorStoreRequest(vector_store_id=store_id)
+        return self._call(lambda: self._vs.GetVectorStore(req, timeout=self.timeout, metadata=self._md),
+                          True).vector_store
+
+    def delete_vector_store(self, store_id: str) -> vectorstore_pb2.DeleteVectorStoreResponse:
+        """Delete a store and its index (the files stay)."""
+        req = vectorstore_pb2.DeleteVectorStoreRequest(vector_store_id=store_id)
+        return self._call(lambda: self._vs.DeleteVectorStore(req, timeout=self.timeout, metadata=self._md), False)
+
+    def create_vector_store_file(self, store_id: str, file_id: str, attributes: dict[str, vs.Attribute] | None = None,
+                                 *, chunking_strategy: Any = None) -> vectorstore_pb2.VectorStoreFile:
+        """Add an uploaded file to a store (status IN_PROGRESS until ingested); ``attributes`` feed search filters."""
+        req = _create_store_file_request(store_id, file_id, attributes, chunking_strategy)
+        return self._call(lambda: self._vs.CreateVectorStoreFile(req, timeout=self.timeout, metadata=self._md),
+                          False).file
+
+    def list_vector_store_files(self, store_id: str, *, status: str | None = None, limit: int | None = None,
+                                order: str | None = None, after: str | None = None,
+                                before: str | None = None) -> vectorstore_pb2.ListVectorStoreFilesResponse:
+        """``status``: only "in_progress", "completed", "failed" or "cancelled" files (default all)."""
+        req = vectorstore_pb2.ListVectorStoreFilesRequest(vector_store_id=store_id, filter=vs.file_status(status),
+                                                          page=vs.page_request(limit, order, after, before))
+        return self._call(lambda: self._vs.ListVectorStoreFiles(req, timeout=self.timeout, metadata=self._md), True)
+
+    def get_vector_store_file(self, store_id: str, file_id: str) -> vectorstore_pb2.VectorStoreFile:
+        req = vectorstore_pb2.GetVectorStoreFileRequest(vector_store_id=store_id, file_id=file_id)
+        return self._call(lambda: self._vs.GetVectorStoreFile(req, timeout=self.timeout, metadata=self._md),
+                          True).file
+
+    def delete_vector_store_file(self, store_id: str, file_id: str) -> vectorstore_pb2.DeleteVectorStoreFileResponse:
+        """Remove a file from a store (the file itself stays)."""
+        req = vectorstore_pb2.DeleteVectorStoreFileRequest(vector_store_id=store_id, file_id=file_id)
+        return self._call(lambda: self._vs.DeleteVectorStoreFile(req, timeout=self.timeout, metadata=self._md),
+                          False)
+
+    def search_vector_store(self, store_id: str, query: str | Sequence[str] | None = None,
+                            max_num_results: int | None = None, filters: Any = None, *, query_embedding: Any = None,
+                            score_threshold: float | None = None, ranker: str | None = None,
+                            rewrite_query: bool = False) -> vectorstore_pb2.SearchVectorStoreResponse:
+        """Nearest chunks, best first (``.data[i].file_id / .score / .content[0].text``). ``query``: one or more
+        strings, or ``query_embedding=`` a vector instead; ``filters``: an OpenAI filter dict (``{"type": "eq",
+        "key": "topic", "value": "food"}``, ``{"type": "and", "filters": [...]}``) or a ``Filter`` message."""
+        req = vs.search_request(store_id, query, query_embedding=query_embedding, max_num_results=max_num_results,
+                                filters=filters, score_threshold=score_threshold, ranker=ranker,
+                                rewrite_query=rewrite_query)
+        return self._call(lambda: self._vs.SearchVectorStore(req, timeout=self.timeout, metadata=self._md), True)
+
 
 class AsyncClient:
     """The same API over ``grpc.aio``."""
 
     def __init__(self, address: str, *, tls: bool | grpc.ChannelCredentials = False, api_key: str | None = None,
-                 timeout: float = 300.0, retries: int = 3, max_message_bytes: int = 512 << 20) -> None:
+                 timeout: float = 300.0, retries: int = 3, max_message_bytes: int = 512 << 20,
+                 vector_store_address: str | None = None) -> None:
         creds = _credentials(tls)
         opts = _options(max_message_bytes)
-        self._channel = grpc.aio.secure_channel(address, creds, opts) if creds else \
-            grpc.aio.insecure_channel(address, opts)
+
+        def channel(target: str) -> grpc.aio.Channel:
+            return grpc.aio.secure_channel(target, creds, opts) if creds else grpc.aio.insecure_channel(target, opts)
+
+        self._channel = channel(address)
+        self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
+        self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
@@ -162,6 +296,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._vs_channel is not None:
+            await self._vs_channel.close()
 
     async def _call(self, fn: Callable[[], Any], idempotent: bool) -> Any:
         delay = 0.1
@@ -237,3 +373,101 @@ class AsyncClient:
         req = inference_pb2.UnloadLoraAdapterRequest(lora_name=name)
         return await self._call(lambda: self._inference.UnloadLoraAdapter(req, timeout=self.timeout,
                                                                           metadata=self._md), False)
+
+    # --- vector stores (VectorStoreService at ``vector_store_address``) ------------------------------------------
+    async def upload_file(self, data: bytes, filename: str, purpose: str = "assistants",
+                          content_type: str = "") -> vectorstore_pb2.File:
+        async def messages() -> AsyncIterator[vectorstore_pb2.UploadFileRequest]:
+            for m in vs.upload_file_messages(data, filename, purpose, content_type):
+                yield m
+
+        resp = await self._call(lambda: self._vs.UploadFile(messages(), timeout=self.timeout, metadata=self._md),
+                                False)
+        return resp.file
+
+    async def list_files(self, purpose: str = "", *, limit: int | None = None, order: str | None = None,
+                         after: str | None = None, before: str | None = None) -> vectorstore_pb2.ListFilesResponse:
+        req = vectorstore_pb2.ListFilesRequest(purpose=purpose, page=vs.page_request(limit, order, after, before))
+        return await self._call(lambda: self._vs.ListFiles(req, timeout=self.timeout, metadata=self._md), True)
+
+    async def get_file(self, file_id: str) -> vectorstore_pb2.File:
+        req = vectorstore_pb2.GetFileRequest(file_id=file_id)
+        resp = await self._call(lambda: self._vs.GetFile(req, timeout=self.timeout, metadata=self._md), True)
+        return resp.file
+
+    async def get_file_content(self, file_id: str) -> bytes:
+        req = vectorstore_pb2.GetFileContentRequest(file_id=file_id)
+
+        async def read() -> bytes:
+            return b"".join([m.chunk async for m in self._vs.GetFileContent(req, timeout=self.timeout,
+                                                                            metadata=self._md)])
+
+        return await self._call(read, True)
+
+    async def delete_file(self, file_id: str) -> vectorstore_pb2.DeleteFileResponse:
+        req = vectorstore_pb2.DeleteFileRequest(file_id=file_id)
+        return await self._call(lambda: self._vs.DeleteFile(req, timeout=self.timeout, metadata=self._md), False)
+
+    async def create_vector_store(self, name: str = "", file_ids: Sequence[str] = (), *,
+                                  chunking_strategy: Any = None, expires_after: Any = None,
+                                  metadata: dict[str, str] | None = None) -> vectorstore_pb2.VectorStore:
+        req = _create_store_request(name, file_ids, chunking_strategy, expires_after, metadata)
+        resp = await self._call(lambda: self._vs.CreateVectorStore(req, timeout=self.timeout, metadata=self._md),
+                                False)
+        return resp.vector_store
+
+    async def list_vector_stores(self, *, limit: int | None = None, order: str | None = None,
+                                 after: str | None = None,
+                                 before: str | None = None) -> vectorstore_pb2.ListVectorStoresResponse:
+        req = vectorstore_pb2.ListVectorStoresRequest(page=vs.page_request(limit, order, after, before))
+        return await self._call(lambda: self._vs.ListVectorStores(req, timeout=self.timeout, metadata=self._md),
+                                True)
+
+    async def get_vector_store(self, store_id: str) -> vectorstore_pb2.VectorStore:
+        req = vectorstore_pb2.GetVectorStoreRequest(vector_store_id=store_id)
+        resp = await self._call(lambda: self._vs.GetVectorStore(req, timeout=self.timeout, metadata=self._md), True)
+        return resp.vector_store
+
+    async def delete_vector_store(self, store_id: str) -> vectorstore_pb2.DeleteVectorStoreResponse:
+        req = vectorstore_pb2.DeleteVectorStoreRequest(vector_store_id=store_id)
+        return await self._call(lambda: self._vs.DeleteVectorStore(req, timeout=self.timeout, metadata=self._md),
+                                False)
+
+    async def create_vector_store_file(self, store_id: str, file_id: str,
+                                       attributes: dict[str, vs.Attribute] | None = None, *,
+                                       chunking_strategy: Any = None) -> vectorstore_pb2.VectorStoreFile:
+        req = _create_store_file_request(store_id, file_id, attributes, chunking_strategy)
+        resp = await self._call(lambda: self._vs.CreateVectorStoreFile(req, timeout=self.timeout,
+                                                                       metadata=self._md), False)
+        return resp.file
+
+    async def list_vector_store_files(self, store_id: str, *, status: str | None = None, limit: int | None = None,
+                                      order: str | None = None, after: str | None = None,
+                                      before: str | None = None) -> vectorstore_pb2.ListVectorStoreFilesResponse:
+        req = vectorstore_pb2.ListVectorStoreFilesRequest(vector_store_id=store_id, filter=vs.file_status(status),
+                                                          page=vs.page_request(limit, order, after, before))
+        return await self._call(lambda: self._vs.ListVectorStoreFiles(req, timeout=self.timeout,
+                                                                      metadata=self._md), True)
+
+    async def get_vector_store_file(self, store_id: str, file_id: str) -> vectorstore_pb2.VectorStoreFile:
+        req = vectorstore_pb2.GetVectorStoreFileRequest(vector_store_id=store_id, file_id=file_id)
+        resp = await self._call(lambda: self._vs.GetVectorStoreFile(req, timeout=self.timeout, metadata=self._md),
+                                True)
+        return resp.file
+
+    async def delete_vector_store_file(self, store_id: str,
+                                       file_id: str) -> vectorstore_pb2.DeleteVectorStoreFileResponse:
+        req = vectorstore_pb2.DeleteVectorStoreFileRequest(vector_store_id=store_id, file_id=file_id)
+        return await self._call(lambda: self._vs.DeleteVectorStoreFile(req, timeout=self.timeout,
+                                                                       metadata=self._md), False)
+
+    async def search_vector_store(self, store_id: str, query: str | Sequence[str] | None = None,
+                                  max_num_results: int | None = None, filters: Any = None, *,
+                                  query_embedding: Any = None, score_threshold: float | None = None,
+                                  ranker: str | None = None,
+                                  rewrite_query: bool = False) -> vectorstore_pb2.SearchVectorStoreResponse:
+        req = vs.search_request(store_id, query, query_embedding=query_embedding, max_num_results=max_num_results,
+                                filters=filters, score_threshold=score_threshold, ranker=ranker,
+                                rewrite_query=rewrite_query)
+        return await self._call(lambda: self._vs.SearchVectorStore(req, timeout=self.timeout, metadata=self._md),
+                                True)

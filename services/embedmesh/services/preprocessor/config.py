@@ -53,6 +53,9 @@ class PreprocessorConfig:
     (``--model-tokenizers name=folder,...``); models not listed use ``tokenizer``."""
     tool_call_parser: str = "hermes"
     """How tool calls are read from the model's output (``preprocessor/tools.py``; vLLM's flag name)."""
+    lora_load_on_demand: bool = False
+    """A request naming a LoRA adapter that no healthy worker holds (but one held since start) loads it on the
+    least-loaded worker of its model first (EMBEDMESH_LORA_LOAD_ON_DEMAND); off: such a request is refused."""
 
     def __post_init__(self) -> None:
         from embedmesh.services.preprocessor.tools import PARSERS
@@ -108,6 +111,10 @@ class PreprocessorConfig:
                        help="name=folder,...: the tokenizer and chat template of each further served model")
         p.add_argument("--tool-call-parser", default=env.get("EMBEDMESH_TOOL_CALL_PARSER", cls.tool_call_parser),
                        help="format of tool calls in the model's output: hermes (<tool_call>{...}</tool_call>)")
+        p.add_argument("--lora-load-on-demand", action=argparse.BooleanOptionalAction,
+                       default=env.get("EMBEDMESH_LORA_LOAD_ON_DEMAND", "").lower() in ("1", "true", "yes"),
+                       help="load a known LoRA adapter on the least-loaded worker when a request names it and "
+                            "no worker holds it")
         a = p.parse_args(argv)
         workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
         model_tokenizers = []
@@ -122,7 +129,8 @@ class PreprocessorConfig:
                        redis_url=a.redis_url, upload_ttl_seconds=a.upload_ttl,
                        routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
                        max_inflight=a.max_inflight, drain_seconds=a.drain_seconds,
-                       tool_call_parser=a.tool_call_parser, model_tokenizers=tuple(model_tokenizers))
+                       tool_call_parser=a.tool_call_parser, model_tokenizers=tuple(model_tokenizers),
+                       lora_load_on_demand=a.lora_load_on_demand)
         except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback
             p.error(str(e))
 

@@ -52,7 +52,7 @@ async def serve(config: PreprocessorConfig) -> None:
     folder = _tokenizer_folder(config.tokenizer)
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
-    pool = WorkerPool(config.workers, config.max_message_bytes)
+    pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand)
     router = RouteClient(config.routers, config.block_size) if config.routers else None
     cache = TieredCache(CacheConfig(capacity_bytes=config.cache_capacity_bytes, redis_url=config.redis_url,
                                     default_ttl_seconds=config.upload_ttl_seconds))

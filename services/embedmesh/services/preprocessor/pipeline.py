@@ -161,16 +161,22 @@ def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: li
     """The worker for one sequence: the KV router's choice, else round robin (router absent or unreachable)."""
 
     async def pick() -> WorkerHandle:
+        preferred: WorkerHandle | None = None
         if router is not None:
-            decision = await router.route(model, hashes, prompt_len, request_id)
+            decision = await router.route(model, hashes, prompt_len, request_id, adapter)
             if decision is not None:
                 handle = pool.handle_for(decision.address)
                 if handle.healthy and (not adapter or adapter in handle.adapters):
                     return handle
-                # The router has not seen it leave yet (draining or just lost): our own view wins.
-                log.info("routed worker is not healthy; picking another",
-                         extra={"worker": decision.address, "request_id": request_id})
-        return pool.pick(model, adapter=adapter)
+                if handle.healthy and decision.adapter_missing:
+                    preferred = handle  # no worker holds the adapter: the router's pick by load, if we load it
+                else:
+                    # The router has not seen it leave (draining or just lost) or unload yet: our view wins.
+                    log.info("routed worker is not usable; picking another",
+                             extra={"worker": decision.address, "request_id": request_id})
+        if adapter:
+            return await pool.ensure_adapter(model, adapter, preferred)
+        return pool.pick(model)
 
     return pick
 
@@ -201,8 +207,12 @@ async def _one(
         call = None
         sent = False
         try:
-            worker = await pick() if attempt == 0 or pool is None else pool.pick(model, exclude=failed,
-                                                                                  adapter=adapter)
+            if attempt == 0 or pool is None:
+                worker = await pick()
+            elif adapter:
+                worker = await pool.ensure_adapter(model, adapter, exclude=failed)
+            else:
+                worker = pool.pick(model, exclude=failed)
             worker.inflight += 1
             call = worker.stub.Generate(req)
             async for resp in call:
@@ -236,6 +246,13 @@ async def _one(
             if retryable and not sent and attempt == 0 and pool is not None:
                 failed = worker
                 WORKER_RETRIES.labels("lost" if lost else code.name.lower()).inc()
+                continue
+            if (adapter and not sent and attempt == 0 and pool is not None and worker is not None
+                    and from_rpc_error(e).reason == "LORA_NOT_LOADED"):
+                # Our view of its adapters was stale (unloaded behind our back, or the worker restarted).
+                await pool.refresh_adapters(worker)
+                failed = worker
+                WORKER_RETRIES.labels("lora_not_loaded").inc()
                 continue
             if lost:
                 what = "was lost mid-generation" if sent else "could not be reached"

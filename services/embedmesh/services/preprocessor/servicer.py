@@ -86,8 +86,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def _model(self, model: str, task: int) -> worker_pb2.GetInfoResponse:
         if not model:
             raise InvalidArgument("model is required", field="model", reason="REQUIRED")
-        adapter = self.pool.adapters().get(model) if model not in self.pool.models() else None
-        info = self.pool.spec(adapter[0] if adapter is not None else model)
+        base = self.pool.known_adapter(model) if model not in self.pool.models() else None
+        info = self.pool.spec(base if base is not None else model)
         if info.task == worker_pb2.MODEL_TASK_EMBED and task != worker_pb2.MODEL_TASK_EMBED:
             raise InvalidArgument(f"model: {model!r} is an embedding model; use /v1/embeddings", field="model",
                                   reason="WRONG_TASK")
@@ -427,12 +427,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if not name:
             raise InvalidArgument("lora_name is required", field="lora_name", reason="REQUIRED")
         holders = [w for w in self.pool.workers if name in w.adapters]
+        if not holders and self.pool.lora_load_on_demand and self.pool.catalog.pop(name, None) is not None:
+            return inference_pb2.UnloadLoraAdapterResponse()  # loaded nowhere now; forgotten for load on demand
         if not holders:
             raise NotFound(f"lora_name: no worker holds an adapter named {name!r}", field="lora_name",
                            reason="ADAPTER_NOT_FOUND")
         results = await asyncio.gather(*(w.stub.UnloadLoraAdapter(
             worker_pb2.UnloadLoraAdapterRequest(name=name), timeout=300) for w in holders), return_exceptions=True)
         await asyncio.gather(*(self.pool.refresh_adapters(w) for w in holders))
+        if not any(name in w.adapters for w in self.pool.workers):
+            self.pool.catalog.pop(name, None)  # unloaded on purpose: load on demand must not bring it back
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise _lora_error(failed)

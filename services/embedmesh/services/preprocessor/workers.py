@@ -48,9 +48,16 @@ class WorkerHandle:
 class WorkerPool:
     """Watches each worker's grpc.health.v1 status and keeps its GetInfo."""
 
-    def __init__(self, addresses: tuple[str, ...], max_message_bytes: int) -> None:
+    def __init__(self, addresses: tuple[str, ...], max_message_bytes: int, *,
+                 lora_load_on_demand: bool = False) -> None:
         self.workers: list[WorkerHandle] = []
         self._max_message_bytes = max_message_bytes
+        self.lora_load_on_demand = lora_load_on_demand
+        """A request naming a known adapter that no healthy worker holds loads it on one (``ensure_adapter``)."""
+        self.catalog: dict[str, tuple[str, str]] = {}
+        """Adapters seen loaded on any worker since start: name -> (base model, folder). An explicit unload
+        forgets one; a worker restarting without it does not."""
+        self._on_demand: dict[tuple[str, str], asyncio.Future[None]] = {}
         for address in addresses:
             self._add(address)
         self._rr = itertools.count()
@@ -158,6 +165,54 @@ class WorkerPool:
             w.adapters = set()
             return
         w.adapters = {a.name for a in resp.adapters}
+        for a in resp.adapters:
+            self.catalog[a.name] = (w.info.model, a.path)
+
+    def known_adapter(self, name: str) -> str | None:
+        """The base model of ``name`` when it is an adapter a worker holds, or (with load on demand) one it can
+        load; None otherwise."""
+        held = self.adapters().get(name)
+        if held is not None:
+            return held[0]
+        if self.lora_load_on_demand and name in self.catalog:
+            return self.catalog[name][0]
+        return None
+
+    async def ensure_adapter(self, model: str, adapter: str, preferred: WorkerHandle | None = None,
+                             exclude: WorkerHandle | None = None) -> WorkerHandle:
+        """A healthy worker of ``model`` holding ``adapter``: one that holds it already (round robin), else, with
+        load on demand, ``preferred`` (the router's least-loaded pick) or the least busy worker, after loading it
+        there (concurrent requests share one load). Unavailable when neither is possible."""
+        holders = [w for w in self.models().get(model, []) if w.healthy and w is not exclude and adapter in w.adapters]
+        if holders or not self.lora_load_on_demand or adapter not in self.catalog:
+            return self.pick(model, exclude=exclude, adapter=adapter)
+        group = [w for w in self.models().get(model, []) if w.healthy and w is not exclude]
+        if not group:
+            return self.pick(model, exclude=exclude)  # raises Unavailable naming the model
+        target = preferred if preferred in group else min(group, key=lambda w: w.inflight)
+        key = (target.address, adapter)
+        pending = self._on_demand.get(key)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._on_demand[key] = pending
+            try:
+                path = self.catalog[adapter][1]
+                log.info("loading a LoRA adapter on demand", extra={"adapter": adapter, "worker": target.address})
+                await target.stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(name=adapter, path=path),
+                                                   timeout=300)
+                await self.refresh_adapters(target)
+                pending.set_result(None)
+            except grpc.aio.AioRpcError as e:
+                log.warning("on-demand LoRA load failed", extra={"adapter": adapter, "worker": target.address,
+                                                                 "error": e.details()})
+                pending.set_exception(Unavailable(
+                    f"model: loading the LoRA adapter {adapter!r} on demand failed ({e.details()}); retry or "
+                    "load it through the admin plane", field="model", reason="ADAPTER_LOAD_FAILED",
+                    retry_after_seconds=1.0))
+            finally:
+                del self._on_demand[key]
+        await asyncio.shield(pending)
+        return target
 
     def adapters(self) -> dict[str, tuple[str, list[WorkerHandle]]]:
         """Adapter name -> (its base model, the workers holding it)."""

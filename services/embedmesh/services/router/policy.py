@@ -41,6 +41,8 @@ class Decision:
     overlap_blocks: int
     candidates: list[tuple[Scored, str]]
     """Every candidate with its address, cheapest first."""
+    adapter_missing: bool = False
+    """The request names an adapter no worker of the model holds: chosen by load alone (see ``route``)."""
 
 
 class KvRouter:
@@ -53,7 +55,11 @@ class KvRouter:
         self.routes = 0
 
     def route(self, model: str, hashes: Sequence[int], block_size: int, prompt_tokens: int,
-              request_id: str = "") -> Decision:
+              request_id: str = "", adapter: str = "") -> Decision:
+        """The cheapest worker of ``model`` for the prompt. With ``adapter``, only workers holding that LoRA
+        adapter are candidates (``hashes`` are then the adapter's chain, so overlaps never cross adapters); when
+        none holds it, the least-loaded worker of the model is returned with ``adapter_missing`` set, for a caller
+        that loads adapters on demand."""
         if not model:
             raise InvalidArgument("model: is required", field="model", reason="REQUIRED")
         if block_size < 1:
@@ -78,6 +84,13 @@ class KvRouter:
             sizes = sorted({w.block_size for w in candidates})
             raise InvalidArgument(f"block_size: workers of {model!r} use block sizes {sizes}, got {block_size}",
                                   field="block_size", reason="BLOCK_SIZE_MISMATCH")
+        adapter_missing = False
+        if adapter:
+            holders = {wid: w for wid, w in matching.items() if adapter in w.adapters}
+            if holders:
+                matching = holders
+            else:
+                adapter_missing = True
         overlaps = self.registry.index.find_matches(hashes) if hashes else {}
         prompt_blocks = max(len(hashes), math.ceil(prompt_tokens / block_size))
         scored = score(prompt_blocks, overlaps, {wid: w.load for wid, w in matching.items()}, self.weights)
@@ -90,8 +103,9 @@ class KvRouter:
             MATCHED_BLOCKS.labels(model, "prompt").inc(len(hashes))
             MATCHED_BLOCKS.labels(model, "cached").inc(best.overlap)
         log.info("route", extra={
-            "request_id": request_id, "model": model, "worker_id": best.worker_id, "overlap_blocks": best.overlap,
+            "request_id": request_id, "model": model, "adapter": adapter, "worker_id": best.worker_id,
+            "overlap_blocks": best.overlap,
             "prompt_blocks": len(hashes), "candidates": len(scored),
             "costs": {s.worker_id: round(s.cost, 3) for s in scored[:LOGGED_CANDIDATES]}})
         return Decision(best.worker_id, matching[best.worker_id].address, best.overlap,
-                        [(s, matching[s.worker_id].address) for s in scored])
+                        [(s, matching[s.worker_id].address) for s in scored], adapter_missing)

@@ -77,6 +77,8 @@ class WorkerState:
     last_seen: float = field(default_factory=time.monotonic)
     session: int = 0
     """Increments on every (re-)registration, so a stale stream's cleanup cannot drop a newer one."""
+    adapters: frozenset[str] = frozenset()
+    """LoRA adapters it reported in its last heartbeat."""
 
     @property
     def load(self) -> int:
@@ -127,9 +129,12 @@ class Registry:
         return dropped
 
     # --- worker messages ------------------------------------------------------------------------------------
-    def heartbeat(self, state: WorkerState, active_requests: int, kv_usage: float) -> None:
+    def heartbeat(self, state: WorkerState, active_requests: int, kv_usage: float,
+                  adapters: frozenset[str] | None = None) -> None:
         state.active_requests = active_requests
         state.kv_usage = kv_usage
+        if adapters is not None:
+            state.adapters = adapters
         state.routed_since_load = 0
         state.last_seen = time.monotonic()
 

@@ -56,6 +56,8 @@ class RouteDecision:
     """Every candidate, cheapest first (empty for a fallback decision)."""
     fallback: bool = False
     """True when no router answered and the client chose round robin."""
+    adapter_missing: bool = False
+    """The request named an adapter no worker holds; the worker was picked by load (load it there first)."""
 
 
 class RouteClient:
@@ -84,10 +86,11 @@ class RouteClient:
             await c.close()
 
     async def route(self, model: str, hashes: Sequence[int], prompt_tokens: int,
-                    request_id: str = "") -> RouteDecision | None:
-        """The router's choice; else a round-robin fallback; None when no worker is known at all."""
+                    request_id: str = "", adapter: str = "") -> RouteDecision | None:
+        """The router's choice; else a round-robin fallback; None when no worker is known at all. With
+        ``adapter`` (a LoRA adapter's name; ``hashes`` its chain) only workers holding it are considered."""
         req = router_pb2.RouteRequest(model=model, block_hashes=hashes, block_size=self.block_size,
-                                      prompt_tokens=prompt_tokens, request_id=request_id)
+                                      prompt_tokens=prompt_tokens, request_id=request_id, lora_adapter=adapter)
         n = len(self._stubs)
         start = next(self._next)
         reason = "no_router"
@@ -112,7 +115,8 @@ class RouteClient:
                 continue
             self._warned = False
             decision = _decision(resp)
-            self._known[model] = [c.address for c in decision.candidates]
+            if not adapter:  # an adapter's candidates are only its holders
+                self._known[model] = [c.address for c in decision.candidates]
             return decision
         return self._fallback(model, reason)
 
@@ -129,4 +133,5 @@ class RouteClient:
 
 def _decision(resp: router_pb2.RouteResponse) -> RouteDecision:
     return RouteDecision(resp.worker_id, resp.address, resp.overlap_blocks, [
-        CandidateCost(c.worker_id, c.address, c.overlap_blocks, c.cost, c.active_requests) for c in resp.candidates])
+        CandidateCost(c.worker_id, c.address, c.overlap_blocks, c.cost, c.active_requests) for c in resp.candidates],
+        adapter_missing=resp.adapter_missing)

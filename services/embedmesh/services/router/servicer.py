@@ -76,11 +76,27 @@ def _registration(msg: router_pb2.WorkerStreamRequest | None) -> WorkerState:
     return WorkerState(reg.worker_id, reg.address, reg.model, reg.block_size, reg.engine, reg.publishes_kv_events)
 
 
-def _load(load: router_pb2.Load) -> tuple[int, float]:
+MAX_ADAPTERS = 1024
+"""LoRA adapters one heartbeat may list."""
+MAX_ADAPTER_NAME = 256
+
+
+def _adapter_name(name: str, field: str) -> str:
+    if len(name) > MAX_ADAPTER_NAME or any(c.isspace() for c in name):
+        raise InvalidArgument(f"{field}: an adapter name has no spaces and at most {MAX_ADAPTER_NAME} characters",
+                              field=field, reason="INVALID_NAME")
+    return name
+
+
+def _load(load: router_pb2.Load) -> tuple[int, float, frozenset[str]]:
     if not (math.isfinite(load.kv_usage) and 0 <= load.kv_usage <= 1):
         raise InvalidArgument(f"load.kv_usage: must be in [0, 1], got {load.kv_usage}", field="load.kv_usage",
                               reason="OUT_OF_RANGE")
-    return load.active_requests, load.kv_usage
+    if len(load.lora_adapters) > MAX_ADAPTERS:
+        raise InvalidArgument(f"load.lora_adapters: at most {MAX_ADAPTERS} adapters, got {len(load.lora_adapters)}",
+                              field="load.lora_adapters", reason="TOO_MANY")
+    adapters = frozenset(_adapter_name(a, "load.lora_adapters") for a in load.lora_adapters if a)
+    return load.active_requests, load.kv_usage, adapters
 
 
 def _batch(state: WorkerState, batch: router_pb2.KvEventBatch) -> EventBatch:
@@ -168,9 +184,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
         d = self.router.route(request.model, request.block_hashes, request.block_size, request.prompt_tokens,
-                              request.request_id)
+                              request.request_id, _adapter_name(request.lora_adapter, "lora_adapter"))
         return router_pb2.RouteResponse(
             worker_id=d.worker_id, address=d.address, overlap_blocks=d.overlap_blocks,
+            adapter_missing=d.adapter_missing,
             candidates=[router_pb2.Candidate(worker_id=s.worker_id, address=address, overlap_blocks=s.overlap,
                                              cost=s.cost, active_requests=s.active)
                         for s, address in d.candidates],
@@ -186,7 +203,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 registration=router_pb2.Registration(worker_id=w.worker_id, address=w.address, model=w.model,
                                                      block_size=w.block_size, engine=w.engine,
                                                      publishes_kv_events=w.publishes_kv_events),
-                load=router_pb2.Load(active_requests=w.active_requests, kv_usage=w.kv_usage),
+                load=router_pb2.Load(active_requests=w.active_requests, kv_usage=w.kv_usage,
+                                     lora_adapters=sorted(w.adapters)),
                 blocks=index.blocks_of(w.worker_id), last_event_id=w.last_event_id,
                 idle_seconds=now - w.last_seen,
             )

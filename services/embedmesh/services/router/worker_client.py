@@ -45,6 +45,8 @@ class LoadReport:
     active_requests: int
     kv_usage: float = 0.0
     """Fraction of the KV cache in use, 0..1 (0 when the engine does not say)."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters loaded now (the router sends requests naming one only to workers listing it)."""
 
 
 class _Peer:
@@ -169,7 +171,8 @@ class RouterLink:
             r = self._load()
             queue.put_nowait(router_pb2.WorkerStreamRequest(
                 load=router_pb2.Load(active_requests=max(0, r.active_requests),
-                                     kv_usage=min(max(r.kv_usage, 0.0), 1.0) if r.kv_usage == r.kv_usage else 0.0)))
+                                     kv_usage=min(max(r.kv_usage, 0.0), 1.0) if r.kv_usage == r.kv_usage else 0.0,
+                                     lora_adapters=r.lora_adapters)))
             await asyncio.sleep(self.interval)
 
     @staticmethod

@@ -68,7 +68,8 @@ async def serve(config: WorkerConfig) -> None:
             router_pb2.Registration(worker_id=worker_id, address=config.advertise or server.address, model=info.model,
                                     block_size=config.block_size, engine=info.engine, publishes_kv_events=publishes),
             load=lambda: LoadReport(engine.stats().active_requests,
-                                    vllm.engine_metrics().kv_usage if vllm is not None else 0.0),
+                                    vllm.engine_metrics().kv_usage if vllm is not None else 0.0,
+                                    tuple(engine.lora_names())),
             snapshot=_kv_snapshot(vllm) if publishes else None,
         )
         if publishes:

@@ -44,9 +44,10 @@ class RouterUnderTest:
     def workers(self) -> dict[str, Any]:
         return self.servicer.registry.workers
 
-    async def route(self, hashes: list[int], model: str = "m") -> router_pb2.RouteResponse:
+    async def route(self, hashes: list[int], model: str = "m", adapter: str = "") -> router_pb2.RouteResponse:
         return await self.stub.Route(router_pb2.RouteRequest(
-            model=model, block_hashes=hashes, block_size=BS, prompt_tokens=max(1, len(hashes)) * BS), timeout=5)
+            model=model, block_hashes=hashes, block_size=BS, prompt_tokens=max(1, len(hashes)) * BS,
+            lora_adapter=adapter), timeout=5)
 
     async def close(self) -> None:
         self.sweeper.cancel()
@@ -74,13 +75,16 @@ class FakeWorker:
     """A worker with a real (tiny) KV cache: stored chains and evictions update it, and its snapshot reflects it,
     so a re-sync must bring the router back to exactly this state."""
 
-    def __init__(self, routers: list[str], wid: str, events: bool = True, load: int = 0) -> None:
+    def __init__(self, routers: list[str], wid: str, events: bool = True, load: int = 0,
+                 adapters: tuple[str, ...] = ()) -> None:
         self.wid = wid
         self.cache: dict[int, int] = {}  # hash -> parent (a real radix cache, flattened)
         self.active = load
+        self.adapters = adapters
         reg = router_pb2.Registration(worker_id=wid, address=f"10.0.0.{len(wid)}:{abs(hash(wid)) % 1000 + 40000}",
                                       model="m", block_size=BS, engine="fake", publishes_kv_events=events)
-        self.link = RouterLink(routers, reg, lambda: LoadReport(self.active), snapshot=self.snapshot, interval=0.1)
+        self.link = RouterLink(routers, reg, lambda: LoadReport(self.active, lora_adapters=self.adapters),
+                               snapshot=self.snapshot, interval=0.1)
 
     def snapshot(self) -> list[router_pb2.KvEvent]:
         return [stored(parent, [h]) for h, parent in self.cache.items()]
@@ -157,6 +161,28 @@ async def test_unrelated_prompts_spread_over_the_workers(router: RouterUnderTest
     finally:
         for w in ws:
             await w.__aexit__()
+
+
+async def test_adapter_requests_go_only_to_workers_holding_the_adapter(router: RouterUnderTest) -> None:
+    async with FakeWorker([router.address], "a") as a, FakeWorker([router.address], "b", load=5) as b:
+        b.adapters = ("sql",)
+        await until(lambda: router.workers["b"].adapters == {"sql"})
+        a.store(0, [21, 22])  # "a" holds the prefix, and is idle: it would win if it were a candidate
+        await until(lambda: router.index.blocks_of("a") == 2)
+        for _ in range(4):
+            r = await router.route([21, 22], adapter="sql")
+            assert r.worker_id == "b" and not r.adapter_missing
+            assert [c.worker_id for c in r.candidates] == ["b"]
+        assert (await router.route([21, 22])).worker_id == "a", "base-model requests still use every worker"
+        listed = {w.registration.worker_id: list(w.load.lora_adapters)
+                  for w in (await router.stub.ListWorkers(router_pb2.ListWorkersRequest())).workers}
+        assert listed == {"a": [], "b": ["sql"]}
+        # Nobody holds "chat": the least-loaded worker, flagged so the caller loads it there first.
+        r = await router.route([31], adapter="chat")
+        assert r.worker_id == "a" and r.adapter_missing
+        b.adapters = ()  # unloaded: the next heartbeat says so
+        await until(lambda: router.workers["b"].adapters == frozenset())
+        assert (await router.route([21, 22], adapter="sql")).adapter_missing
 
 
 async def test_gap_triggers_resync_and_the_snapshot_restores_the_workers_state(router: RouterUnderTest) -> None:
@@ -282,6 +308,10 @@ async def test_approximate_blocks_age_out() -> None:
          grpc.StatusCode.INVALID_ARGUMENT),
         (router_pb2.RouteRequest(model="absent", block_size=BS, prompt_tokens=4), "model",
          grpc.StatusCode.UNAVAILABLE),
+        (router_pb2.RouteRequest(model="m", block_size=BS, prompt_tokens=4, lora_adapter="a b"), "lora_adapter",
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (router_pb2.RouteRequest(model="m", block_size=BS, prompt_tokens=4, lora_adapter="x" * 257), "lora_adapter",
+         grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 async def test_bad_route_requests(router: RouterUnderTest, request_: Any, field: str, code: Any) -> None:
@@ -319,6 +349,10 @@ def _events(event_id: int, *events: router_pb2.KvEvent) -> router_pb2.WorkerStre
         ([_reg(), _reg()], "registration"),
         ([_reg(), router_pb2.WorkerStreamRequest()], "kind"),
         ([_reg(), router_pb2.WorkerStreamRequest(load=router_pb2.Load(kv_usage=1.5))], "load.kv_usage"),
+        ([_reg(), router_pb2.WorkerStreamRequest(load=router_pb2.Load(lora_adapters=["has space"]))],
+         "load.lora_adapters"),
+        ([_reg(), router_pb2.WorkerStreamRequest(load=router_pb2.Load(lora_adapters=["a"] * 1025))],
+         "load.lora_adapters"),
         ([_reg(), _events(0, stored(0, [1]))], "events.event_id"),
         ([_reg(), _events(1, stored(0, [1]), router_pb2.KvEvent())], "events.events[1]"),
         ([_reg(), _events(1, stored(0, [1, 0]))], "events.events[0].stored.block_hashes"),

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from embedmesh.core.block_hash import ROOT, block_hashes
+from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
 from embedmesh.services.worker.engines.base import EmbedsSegment, TokenSegment
 from embedmesh.services.worker.engines.vllm_kv_events import (
     Cleared,
@@ -203,13 +203,40 @@ def test_a_local_reset_clears_at_once_and_vllms_late_clear_is_harmless() -> None
     assert out == [Cleared(), Stored(ROOT, (ours[0],))]
 
 
-def test_lora_blocks_and_offload_tiers_are_not_reported() -> None:
+def test_offload_tiers_are_not_reported() -> None:
     h = Harness()
     ids = (1, 2, 3, 4)
     h.t.track("r1", [TokenSegment(ids)], sent_tokens=ids)
-    assert h.send(stored([vh("a")], None, list(ids), B, lora_name="sql", lora_id=1)) == []
     assert h.send(stored([vh("b")], None, list(ids), B, medium="CPU")) == []
-    assert h.t.counters["skipped_blocks"] == 2
+    assert h.t.counters["skipped_blocks"] == 1
+
+
+def test_lora_blocks_map_to_the_adapters_chain_never_the_base_models() -> None:
+    h = Harness()
+    ids = tuple(range(1, 9))
+    base = block_hashes([ids], B)
+    sql = adapter_block_hashes(base, "sql")
+    assert set(sql).isdisjoint(base)
+    h.t.track("base", [TokenSegment(ids)], sent_tokens=ids)
+    h.t.track("lora", [TokenSegment(ids)], sent_tokens=ids, adapter="sql", lora_id=1)
+    # The newest tracked request has the same tokens, but its adapter differs from the event's: the base one wins.
+    assert h.send(stored([vh("a"), vh("b")], None, list(ids), B)) == [Stored(ROOT, tuple(base))]
+    assert h.send(stored([vh("la"), vh("lb")], None, list(ids), B, lora_name="sql", lora_id=1)) == \
+        [Stored(ROOT, tuple(sql))]
+    assert h.t.block_count == 4
+    assert h.send(BlockRemoved([vh("lb")])) == [Removed((sql[1],))]
+
+
+def test_lora_blocks_of_an_adapter_nobody_tracked_are_not_placed() -> None:
+    h = Harness()
+    ids = (1, 2, 3, 4)
+    h.t.track("r1", [TokenSegment(ids)], sent_tokens=ids, adapter="sql", lora_id=1)
+    assert h.send(stored([vh("a")], None, list(ids), B, lora_id=2)) == []  # another adapter (by id)
+    assert h.send(stored([vh("b")], None, list(ids), B, lora_name="chat", lora_id=1)) == []  # by name
+    assert h.send(stored([vh("c")], None, list(ids), B)) == []  # the base model
+    assert h.t.counters["unplaced_blocks"] == 3
+    assert h.send(stored([vh("d")], None, list(ids), B, lora_id=1)) == \
+        [Stored(ROOT, tuple(adapter_block_hashes(block_hashes([ids], B), "sql")))]
 
 
 def test_a_gap_holds_batches_until_the_replay_fills_it() -> None:

@@ -210,6 +210,10 @@ class Engine(ABC):
         """name -> folder."""
         raise NotImplementedError
 
+    def lora_names(self) -> list[str]:
+        """Adapters usable now, read without awaiting (the router heartbeat carries them); none by default."""
+        return []
+
     async def sleep(self, level: int) -> None:
         raise NotImplementedError
 

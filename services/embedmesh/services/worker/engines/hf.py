@@ -503,6 +503,9 @@ class HFEngine(Engine):
     async def list_loras(self) -> dict[str, str]:
         return {n: p for n, p in self._loras.items() if n not in self._unloading}
 
+    def lora_names(self) -> list[str]:
+        return [n for n in self._loras if n not in self._unloading]
+
     def _take(self, block: bool, room: int) -> list[_Seq] | None:
         out: list[_Seq] = []
         if room <= 0:

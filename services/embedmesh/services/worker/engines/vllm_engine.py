@@ -243,7 +243,7 @@ class VLLMEngine(Engine):
         if all(isinstance(s, TokenSegment) for s in request.segments):
             ids = [t for s in request.segments for t in s.ids]  # type: ignore[union-attr]
             if self._kv is not None:
-                self._kv.track(request.request_id, request.segments, sent_tokens=ids)
+                self._kv.track(request.request_id, request.segments, sent_tokens=ids, **self._lora_of(request))
             return {"prompt_token_ids": ids}
         dtype = getattr(torch, self.info().dtype)
         parts = []
@@ -258,8 +258,13 @@ class VLLMEngine(Engine):
         if self._kv is not None:
             # vLLM digests the bytes of exactly this tensor per block; bf16 has no numpy dtype, so view the bits.
             sent = (embeds.view(torch.int16) if embeds.dtype == torch.bfloat16 else embeds).numpy()
-            self._kv.track(request.request_id, request.segments, sent_rows=sent)
+            self._kv.track(request.request_id, request.segments, sent_rows=sent, **self._lora_of(request))
         return {"prompt_embeds": embeds}
+
+    def _lora_of(self, request: GenerationRequest) -> dict[str, Any]:
+        """The adapter name and vLLM id a request runs under, for the KV event translator."""
+        held = self._loras.get(request.lora_adapter) if request.lora_adapter else None
+        return {"adapter": request.lora_adapter, "lora_id": held[0]} if held else {}
 
     def _sampling(self, request: GenerationRequest) -> Any:
         from vllm import SamplingParams
@@ -314,8 +319,8 @@ class VLLMEngine(Engine):
         lora = None
         if request.lora_adapter:
             if request.lora_adapter not in self._loras:
-                raise InvalidArgument(f"lora_adapter {request.lora_adapter!r} is not loaded on this worker",
-                                      field="lora_adapter", reason="LORA_NOT_LOADED")
+                raise InvalidArgument(f"model: the LoRA adapter {request.lora_adapter!r} is not loaded on this "
+                                      "worker", field="model", reason="LORA_NOT_LOADED")
             from vllm.lora.request import LoRARequest
 
             lid, path = self._loras[request.lora_adapter]
@@ -421,6 +426,9 @@ class VLLMEngine(Engine):
 
     async def list_loras(self) -> dict[str, str]:
         return {name: path for name, (_, path) in self._loras.items()}
+
+    def lora_names(self) -> list[str]:
+        return list(self._loras)
 
     async def sleep(self, level: int) -> None:
         from vllm.platforms import current_platform

@@ -15,8 +15,10 @@ token ids of zero. So the translation works from the prompts this worker sent:
 
 Sequence numbers are checked: a gap holds later batches and asks the caller to replay from the first missing one;
 when the replay cannot fill it the mapping is reset and the router told ``Cleared`` (it then under-counts this
-worker's cache, which costs routing quality, never correctness). Blocks of LoRA requests are not reported (the
-mesh's hashes do not include the adapter), nor are offloaded tiers (medium other than vLLM's primary one).
+worker's cache, which costs routing quality, never correctness). Blocks computed under a LoRA adapter carry its
+id (``lora_id``, and ``lora_name`` where vLLM sends it): they match only requests tracked with that adapter and
+map to the adapter's chain (``adapter_block_hashes``), so the router never credits a base-model prefix with an
+adapter's blocks or the other way round. Offloaded tiers (medium other than vLLM's primary one) are not reported.
 
     KvEventTranslator     pure bookkeeping, no I/O (unit-tested with synthetic batches)
     VllmKvEventSubscriber ZMQ SUB + replay (DEALER) feeding a translator, on the asyncio loop
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.core.block_hash import ROOT, block_hashes
+from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import Segment, TokenSegment
 
@@ -95,6 +97,18 @@ class _Tracked:
     """Mesh hashes of the full blocks known so far (prompt first, then blocks completed by generated tokens)."""
     digests: dict[tuple[int, int], bytes] = field(default_factory=dict)
     finished_at: float | None = None
+    adapter: str = ""
+    """LoRA adapter name ("" = the base model); the mesh hashes are its chain."""
+    lora_id: int = 0
+    """vLLM's integer id of that adapter (0 = none)."""
+
+    def same_lora(self, ev: Any) -> bool:
+        """The event's blocks were computed under this request's adapter (or both under the base model)."""
+        name = getattr(ev, "lora_name", None) or ""
+        lid = getattr(ev, "lora_id", None) or 0
+        if not (name or lid):
+            return not self.adapter
+        return bool(self.adapter) and (not name or name == self.adapter) and (not lid or lid == self.lora_id)
 
     @property
     def nbytes(self) -> int:
@@ -145,14 +159,17 @@ class KvEventTranslator:
 
     # --- requests ---------------------------------------------------------------------------------------------
     def track(self, request_id: str, segments: list[Segment], *, sent_tokens: Sequence[int] | None = None,
-              sent_rows: np.ndarray | None = None) -> None:
-        """Remember a request before it reaches vLLM (exactly one of ``sent_tokens`` / ``sent_rows``)."""
+              sent_rows: np.ndarray | None = None, adapter: str = "", lora_id: int = 0) -> None:
+        """Remember a request before it reaches vLLM (exactly one of ``sent_tokens`` / ``sent_rows``), with the
+        LoRA adapter it runs under (name and vLLM's id) if any."""
         if (sent_tokens is None) == (sent_rows is None):
             raise ValueError("give exactly one of sent_tokens and sent_rows")
         prompt_len = sum(len(s) for s in segments)
         pieces = [s.ids if isinstance(s, TokenSegment) else s.rows for s in segments]
-        self._requests[request_id] = _Tracked(segments, prompt_len, sent_tokens, sent_rows,
-                                              mesh_hashes=block_hashes(pieces, self.block_size))
+        self._requests[request_id] = _Tracked(
+            segments, prompt_len, sent_tokens, sent_rows,
+            mesh_hashes=adapter_block_hashes(block_hashes(pieces, self.block_size), adapter),
+            adapter=adapter, lora_id=lora_id)
         self._requests.move_to_end(request_id)
 
     def finish(self, request_id: str) -> None:
@@ -262,7 +279,7 @@ class KvEventTranslator:
 
     def _stored(self, ev: Any) -> list[MeshKvEvent]:
         n = len(ev.block_hashes)
-        if not self._primary(ev) or getattr(ev, "lora_name", None) or getattr(ev, "lora_id", None):
+        if not self._primary(ev):
             self.counters["skipped_blocks"] += n
             return []
         if ev.parent_block_hash is None:
@@ -276,7 +293,7 @@ class KvEventTranslator:
         size = len(ev.token_ids) // n if n and ev.token_ids else int(ev.block_size)
         end = start + size * n
         extra = list(getattr(ev, "extra_keys", None) or [None] * n)
-        req = self._match(start, end, size, ev.token_ids, extra, parent_last)
+        req = self._match(start, end, size, ev.token_ids, extra, parent_last, ev)
         if req is None:
             self.counters["unplaced_blocks"] += n
             return []
@@ -306,10 +323,12 @@ class KvEventTranslator:
 
     # --- matching ---------------------------------------------------------------------------------------------
     def _match(self, start: int, end: int, size: int, token_ids: Sequence[int], extra: list[Any],
-               parent_last: int) -> _Tracked | None:
-        """The newest tracked request whose content agrees with the event's."""
+               parent_last: int, ev: Any = None) -> _Tracked | None:
+        """The newest tracked request whose content (and LoRA adapter) agrees with the event's."""
         for t in reversed(self._requests.values()):
             if start > t.prompt_len + len(t.generated):
+                continue
+            if ev is not None and not t.same_lora(ev):
                 continue
             if start > 0 and not self._parent_agrees(t, start, parent_last):
                 continue
@@ -363,7 +382,7 @@ class KvEventTranslator:
             pieces: list[tuple[int, ...] | np.ndarray] = [
                 s.ids if isinstance(s, TokenSegment) else s.rows for s in t.segments if len(s)]
             pieces.append(tuple(t.generated))
-            t.mesh_hashes = block_hashes(pieces, self.block_size)
+            t.mesh_hashes = adapter_block_hashes(block_hashes(pieces, self.block_size), t.adapter)
         return t.mesh_hashes
 
     # --- snapshot ---------------------------------------------------------------------------------------------
