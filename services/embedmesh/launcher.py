@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help="LoRA adapters every generative worker loads before serving (folders under --lora-root)")
     p.add_argument("--enable-lora", action="store_true",
-                   help="vllm workers: allow LoRA adapters (the hf engine always does)")
+                   help="vllm / sglang workers: allow LoRA adapters (the hf engine always does)")
     p.add_argument("--lora-load-on-demand", action="store_true",
                    help="a request naming a known LoRA adapter that no worker holds loads it on the least-loaded "
                         "worker first (the preprocessor's flag; EMBEDMESH_LORA_LOAD_ON_DEMAND=1)")
@@ -295,7 +295,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             args += ["--lora-root", a.lora_root]
         if a.lora_modules:
             args += ["--lora-modules", *a.lora_modules]
-        if a.engine == "vllm" and (a.enable_lora or a.lora_modules):
+        if a.engine in ("vllm", "sglang") and (a.enable_lora or a.lora_modules):
             args += ["--enable-lora"]
         if registry.venv_of(a.engine) and m in ("default", "SmolLM2-135M-Instruct"):
             # An engine's own venv holds no model packages: hand it the converted folder and the served name.

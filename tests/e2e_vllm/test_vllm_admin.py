@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 from embedmesh.core.errors import from_rpc_error
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.e2e_vllm.test_vllm_mesh import VENV
+from tests.e2e.conftest import MODEL, b64_of, embeds_of, hf_model  # noqa: F401 - fixtures
+from tests.e2e_vllm.test_vllm_mesh import TEXT, VENV
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +86,68 @@ def test_lora_load_once_generate_list_unload(lmesh: Mesh, adapter: Path) -> None
     assert not s.ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest(), timeout=10).adapters
     with pytest.raises(grpc.RpcError) as info:
         generate(s, "smol-lora")
-    assert from_rpc_error(info.value).field == "lora_adapter"
+    assert from_rpc_error(info.value).field == "model"
+    assert from_rpc_error(info.value).reason == "LORA_NOT_LOADED"
+
+
+LONG = "A long shared system prompt about rivers, mountains and the history of trade routes. " * 20
+
+
+def test_adapter_as_a_model_through_the_gateway_with_its_own_kv_chain(lmesh: Mesh, adapter: Path,
+                                                                       hf_model: Any, embeds_of: Any) -> None:  # noqa: F811
+    """Loaded through the public admin route, the adapter is a model: text and prompt_embeds give transformers +
+    peft's greedy text; vLLM's KV events for its blocks (they carry the adapter's id) reach the router as the
+    adapter's own chain, and the same prompt on the base model adds a second chain instead of matching it."""
+    import openai
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from embedmesh.models import ensure_default_model
+
+    r = httpx.post(f"{lmesh.base_url}/v1/load_lora_adapter", timeout=300,
+                   json={"lora_name": "gw-lora", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=f"{lmesh.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    models = {m.id: m for m in client.models.list().data}
+    assert models["gw-lora"].model_extra["parent"] == MODEL
+
+    _, tok = hf_model
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ensure_default_model()),
+                                    str(adapter)).eval()
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    expected = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = client.completions.create(model="gw-lora", prompt=TEXT, max_tokens=6, temperature=0).choices[0].text
+    assert text == expected
+    embeds = client.completions.create(model="gw-lora", prompt="", max_tokens=6, temperature=0,
+                                       extra_body={"prompt_embeds": b64_of(embeds_of(TEXT))}).choices[0].text
+    assert embeds == expected
+
+    def nodes() -> int:
+        with grpc.insecure_channel(str(lmesh.extra["router"])) as ch:
+            return router_pb2_grpc.RouterServiceStub(ch).GetIndexStats(router_pb2.GetIndexStatsRequest(),
+                                                                       timeout=5).nodes
+
+    def grows(since: int) -> int:
+        deadline = time.monotonic() + 15
+        while nodes() <= since and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return nodes() - since
+
+    n0 = nodes()
+    client.completions.create(model="gw-lora", prompt=LONG, max_tokens=2, temperature=0)
+    added = grows(n0)
+    assert added >= 8, "vLLM's blocks of the adapter request did not reach the router"
+    n1 = nodes()
+    client.completions.create(model="gw-lora", prompt=LONG, max_tokens=2, temperature=0)
+    time.sleep(1.0)
+    assert nodes() == n1, "the repeated adapter prompt reuses its chain"
+    client.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0)
+    assert grows(n1) >= added - 1, "the base model's blocks must form their own chain"
+    r = httpx.post(f"{lmesh.base_url}/v1/unload_lora_adapter", json={"lora_name": "gw-lora"}, timeout=120)
+    assert r.status_code == 200, r.text
 
 
 def test_bad_lora_requests(lmesh: Mesh, tmp_path: Path) -> None:

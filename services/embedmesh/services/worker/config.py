@@ -57,7 +57,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     """vllm worker: GPUs per worker (GPU only)."""
     enable_lora: bool = False
-    """vllm worker: allow LoRA adapters (LoadLoraAdapter)."""
+    """vllm and sglang (generate) workers: allow LoRA adapters (LoadLoraAdapter); hf always allows them."""
     lora_root: str = ""
     """Folder LoRA adapters load from (resolved; nothing outside it); empty = $EMBEDMESH_CACHE/lora-adapters."""
     lora_modules: tuple[tuple[str, str], ...] = ()
@@ -136,7 +136,8 @@ class WorkerConfig:
         p.add_argument("--gpu-memory-utilization", type=float,
                        default=float(env.get("EMBEDMESH_VLLM_GPU_MEMORY_UTILIZATION", 0.9)))
         p.add_argument("--tensor-parallel-size", type=int, default=int(env.get("EMBEDMESH_VLLM_TP", 1)))
-        p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1")
+        p.add_argument("--enable-lora", action="store_true", default=env.get("EMBEDMESH_VLLM_ENABLE_LORA") == "1",
+                       help="vllm and sglang (generate) workers: allow LoRA adapters (the hf engine always does)")
         p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
                        help="adapters load only from folders under this one")
         p.add_argument("--lora-modules", nargs="*", default=env.get("EMBEDMESH_LORA_MODULES", "").split(),

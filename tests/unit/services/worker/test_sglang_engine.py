@@ -5,6 +5,8 @@ tested of it; embeddings on the real SGLang (CPU) are tested in tests/e2e_sglang
 
 from __future__ import annotations
 
+import asyncio
+
 import sys
 import types
 from collections.abc import AsyncIterator, Iterator
@@ -47,7 +49,15 @@ class _ReqInput:
     input_embeds: Any = None
     sampling_params: Any = None
     stream: bool = False
+    lora_path: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _LoraReq:
+    """Stands in for SGLang's (keyword-only) LoRA load/unload request structs."""
+
+    def __init__(self, *, lora_name: str, lora_path: str = "") -> None:
+        self.lora_name, self.lora_path = lora_name, lora_path
 
 
 @pytest.fixture
@@ -62,6 +72,8 @@ def io_struct(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     mod = types.ModuleType("sglang.srt.managers.io_struct")
     mod.GenerateReqInput = type("GenerateReqInput", (_ReqInput,), {})  # type: ignore[attr-defined]
     mod.EmbeddingReqInput = type("EmbeddingReqInput", (_ReqInput,), {})  # type: ignore[attr-defined]
+    mod.LoadLoRAAdapterReqInput = _LoraReq  # type: ignore[attr-defined]
+    mod.UnloadLoRAAdapterReqInput = _LoraReq  # type: ignore[attr-defined]
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
@@ -196,9 +208,25 @@ class _Manager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.aborted.append(rid)
 
+    # LoRA: SGLang answers LoRAUpdateOutput(success, error_message); a load takes a moment.
+    loads: list[tuple[str, str]]
+    unloads: list[str]
+    fail_path = "bad"
 
-def _engine(task: str, manager: _Manager, *, dims: bool = False) -> SGLangEngine:
-    e = SGLangEngine(SGLangConfig(Path("/m"), "m", task=task, supports_dimensions=dims))
+    async def load_lora_adapter(self, obj: Any, request: Any) -> Any:
+        self.loads = [*getattr(self, "loads", []), (obj.lora_name, obj.lora_path)]
+        await asyncio.sleep(0.01)
+        if obj.lora_path == self.fail_path:
+            return types.SimpleNamespace(success=False, error_message="no adapter_config.json")
+        return types.SimpleNamespace(success=True, error_message=None)
+
+    async def unload_lora_adapter(self, obj: Any, request: Any) -> Any:
+        self.unloads = [*getattr(self, "unloads", []), obj.lora_name]
+        return types.SimpleNamespace(success=True, error_message=None)
+
+
+def _engine(task: str, manager: _Manager, *, dims: bool = False, lora: bool = False) -> SGLangEngine:
+    e = SGLangEngine(SGLangConfig(Path("/m"), "m", task=task, supports_dimensions=dims, enable_lora=lora))
     e._sgl = types.SimpleNamespace(tokenizer_manager=manager)
     e._info = ModelInfo("m", "sglang", 4, 8, "float32", 100, 8, task=task,
                         embedding_size=4 if task == "embed" else 0, supports_dimensions=dims)
@@ -264,3 +292,44 @@ async def test_wrong_task_is_a_400(io_struct: Any) -> None:
         await _engine("generate", _Manager([])).embed(["x"])
     with pytest.raises(InvalidArgument):
         [d async for d in _engine("embed", _Manager([])).generate(GenerationRequest("r", [TokenSegment((1,))]))]
+
+
+def test_engine_kwargs_with_lora() -> None:
+    kw = engine_kwargs(SGLangConfig(Path("/m"), "smol", task="generate", enable_lora=True, max_lora_rank=8,
+                                    max_loras_per_batch=3), None)
+    assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8 and kw["max_loras_per_batch"] == 3
+    assert kw["lora_target_modules"] == ["all"]
+    assert "enable_lora" not in engine_kwargs(SGLangConfig(Path("/m"), "smol", task="generate"), None)
+    with pytest.raises(ValueError):
+        SGLangConfig(Path("/m"), "e", task="embed", enable_lora=True)
+
+
+async def test_lora_load_once_generate_with_it_unload(io_struct: Any) -> None:
+    manager = _Manager([{"text": "a", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"},
+                                                                       "completion_tokens": 1}}])
+    e = _engine("generate", manager, lora=True)
+    loaded = await asyncio.gather(*[e.load_lora("sql", "/root/sql") for _ in range(4)])
+    assert sorted(loaded) == [False, False, False, True] and manager.loads == [("sql", "/root/sql")]
+    assert await e.list_loras() == {"sql": "/root/sql"} and e.lora_names() == ["sql"]
+    req = GenerationRequest("r1", [TokenSegment((1, 2))], SamplingParams(max_tokens=1), lora_adapter="sql")
+    assert [d.text async for d in e.generate(req)] == ["a"]
+    assert manager.sent[-1].lora_path == "sql", "SGLang resolves a loaded adapter by its name"
+    base = generate_request(GenerationRequest("r2", [TokenSegment((1,))]), None)
+    assert getattr(base, "lora_path", None) is None
+    assert await e.unload_lora("sql") is True and manager.unloads == ["sql"]
+    assert await e.unload_lora("sql") is False
+    with pytest.raises(InvalidArgument) as info:
+        [d async for d in e.generate(GenerationRequest("r3", [TokenSegment((1,))], lora_adapter="sql"))]
+    assert info.value.field == "model" and info.value.reason == "LORA_NOT_LOADED"
+
+
+async def test_lora_refusals(io_struct: Any) -> None:
+    from embedmesh.core.errors import FailedPrecondition
+
+    e = _engine("generate", _Manager([]), lora=True)
+    with pytest.raises(InvalidArgument) as info:
+        await e.load_lora("x", "bad")
+    assert info.value.field == "path" and "adapter_config.json" in info.value.message
+    assert e.lora_names() == [], "nothing half-loaded"
+    with pytest.raises(FailedPrecondition):
+        await _engine("generate", _Manager([])).load_lora("x", "/root/x")

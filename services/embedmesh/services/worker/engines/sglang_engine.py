@@ -14,6 +14,11 @@ Two tasks, one per worker:
   looked up in the model's input embedding table, so mixed prompts work) — streamed with
   ``incremental_streaming_output=True`` and converted to ``GenerationDelta``. Tested at that boundary only (the
   request objects built and a scripted tokenizer manager), see tests/unit/services/worker/test_sglang_engine.py.
+- LoRA (``generate``, with ``--enable-lora``): SGLang is started with ``enable_lora`` (and a maximum rank, the
+  adapters per batch, every supported target module), adapters load and unload at run time through its tokenizer
+  manager (``LoadLoRAAdapterReqInput`` / ``UnloadLoRAAdapterReqInput``; SGLang's unload waits for the requests
+  using the adapter), and a request names its adapter as ``lora_path`` (SGLang resolves a loaded adapter's name).
+  SGLang batches requests of different adapters together (``max_loras_per_batch``).
 
 Spawn guard: SGLang starts its scheduler and detokenizer with multiprocessing's ``spawn`` method, which re-imports
 the parent's ``__main__``; the worker's ``main.py`` keeps its start-up under ``if __name__ == "__main__"``, and any
@@ -90,6 +95,12 @@ class SGLangConfig:
     """SGLang's own log level."""
     extra: dict[str, Any] = field(default_factory=dict)
     """More ``ServerArgs`` fields, passed through as given (e.g. ``tp_size`` on GPU hosts)."""
+    enable_lora: bool = False
+    """Generation: allow LoRA adapters (LoadLoraAdapter, ``--lora-modules``)."""
+    max_lora_rank: int = 64
+    """Largest adapter rank SGLang reserves room for."""
+    max_loras_per_batch: int = 4
+    """Adapters in one running batch (SGLang's own limit; the base model counts as one)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -98,6 +109,10 @@ class SGLangConfig:
             raise ValueError("max_total_tokens must be >= 16")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.enable_lora and self.task != "generate":
+            raise ValueError("enable_lora needs task 'generate'")
+        if self.max_lora_rank < 1 or self.max_loras_per_batch < 1:
+            raise ValueError("max_lora_rank and max_loras_per_batch must be >= 1")
 
 
 def engine_kwargs(config: SGLangConfig, context_length: int | None) -> dict[str, Any]:
@@ -122,6 +137,9 @@ def engine_kwargs(config: SGLangConfig, context_length: int | None) -> dict[str,
         kw["is_embedding"] = True
     else:
         kw["incremental_streaming_output"] = True  # each streamed chunk carries only its new tokens
+    if config.enable_lora:
+        kw.update(enable_lora=True, max_lora_rank=config.max_lora_rank,
+                  max_loras_per_batch=config.max_loras_per_batch, lora_target_modules=["all"])
     kw.update(config.extra)
     return kw
 
@@ -207,9 +225,10 @@ def generate_request(request: GenerationRequest,
     """Build SGLang's ``GenerateReqInput`` for one sequence (streamed)."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    lora = {"lora_path": request.lora_adapter} if request.lora_adapter else {}
     return GenerateReqInput(rid=request.request_id, sampling_params=sampling_to_sglang(request.sampling),
                             stream=True, **logprob_fields(request.sampling),
-                            **prompt_fields(request.segments, embed_tokens))
+                            **prompt_fields(request.segments, embed_tokens), **lora)
 
 
 _FINISH = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP, "abort": FinishReason.ABORT}
@@ -281,6 +300,8 @@ class SGLangEngine(Engine):
         self._embed_tokens: Callable[[Sequence[int]], np.ndarray] | None = None
         self._stats = EngineStats()
         self._running: set[str] = set()
+        self._loras: dict[str, str] = {}
+        self._lora_loading: dict[str, asyncio.Future[bool]] = {}
 
     async def start(self) -> None:
         folder = self.config.model_path
@@ -363,6 +384,9 @@ class SGLangEngine(Engine):
         if info.task != "generate":
             raise InvalidArgument(f"model: {info.model} is an embedding model; use /v1/embeddings", field="model",
                                   reason="WRONG_TASK")
+        if request.lora_adapter and request.lora_adapter not in self._loras:
+            raise InvalidArgument(f"model: the LoRA adapter {request.lora_adapter!r} is not loaded on this worker",
+                                  field="model", reason="LORA_NOT_LOADED")
         obj = generate_request(request, self._embed_tokens)
         manager = self._manager()
         self._running.add(request.request_id)
@@ -387,6 +411,60 @@ class SGLangEngine(Engine):
             return False
         self._manager().abort_request(rid=request_id)
         return True
+
+    # --- LoRA adapters (generation) -----------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> bool:
+        if not self.config.enable_lora:
+            from embedmesh.core.errors import FailedPrecondition
+
+            raise FailedPrecondition("LoRA is disabled on this worker; start it with --enable-lora (generation "
+                                     "workers only)", reason="LORA_DISABLED")
+        if name in self._loras:
+            return False
+        pending = self._lora_loading.get(name)
+        if pending is not None:  # the same name loading concurrently: load once
+            await asyncio.shield(pending)
+            return False
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._lora_loading[name] = future
+        try:
+            out = await self._manager().load_lora_adapter(LoadLoRAAdapterReqInput(lora_name=name, lora_path=path),
+                                                          None)
+            if not getattr(out, "success", False):
+                raise InvalidArgument(f"path: SGLang could not load the adapter: "
+                                      f"{getattr(out, 'error_message', '') or 'unknown error'}", field="path",
+                                      reason="ADAPTER_INVALID")
+            self._loras[name] = path
+            future.set_result(True)
+            return True
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: concurrent waiters re-raise it, nobody else needs to
+            raise
+        finally:
+            del self._lora_loading[name]
+
+    async def unload_lora(self, name: str) -> bool:
+        if name not in self._loras:
+            return False
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        self._loras.pop(name)  # new requests naming it are refused from now; SGLang lets running ones finish
+        out = await self._manager().unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
+        if not getattr(out, "success", False):
+            log.warning("SGLang refused to unload an adapter", extra={
+                "adapter": name, "error": getattr(out, "error_message", "")})
+        return True
+
+    async def list_loras(self) -> dict[str, str]:
+        if not self.config.enable_lora:
+            raise NotImplementedError
+        return dict(self._loras)
+
+    def lora_names(self) -> list[str]:
+        return list(self._loras)
 
 
 def _launch(kwargs: dict[str, Any]) -> Any:
@@ -425,8 +503,10 @@ def from_worker_config(config: Any) -> SGLangEngine:
         raise ValueError("--engine sglang with a generative task needs --model <folder>")
     folder = minilm_dir() if default else Path(config.model)
     name = config.served_name or (DEFAULT_EMBEDDING_MODEL if default else folder.name)
+    lora = task == "generate" and bool(getattr(config, "enable_lora", False) or getattr(config, "lora_modules", ()))
     return SGLangEngine(SGLangConfig(
         folder, name, task=task, device=getattr(config, "sglang_device", "cpu"), dtype=config.dtype,
         max_total_tokens=getattr(config, "sglang_max_total_tokens", 8192),
         max_running_requests=max(config.max_batch_size, 1) if task == "generate" else 64,
+        enable_lora=lora,
     ))
