@@ -6,7 +6,6 @@ tested of it; embeddings on the real SGLang (CPU) are tested in tests/e2e_sglang
 from __future__ import annotations
 
 import asyncio
-
 import sys
 import types
 from collections.abc import AsyncIterator, Iterator
