@@ -38,6 +38,13 @@ def lora_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                             init_lora_weights=False))
     model.save_pretrained(str(root / "smol-lora"))
     (root / "not-an-adapter").mkdir()
+    # An adapter made for another base model (a tiny Llama of hidden size 64): its shapes cannot fit SmolLM2.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=49152))
+    get_peft_model(tiny, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        str(root / "other-base-lora"))
     return root
 
 
@@ -129,12 +136,36 @@ def test_adapter_as_a_model_end_to_end(lmesh: Mesh, lclient: Any, lora_root: Pat
     ({"lora_path": "smol-lora"}, "lora_name"),
     ({"lora_name": MODEL, "lora_path": "smol-lora"}, "lora_name"),
     ({"lora_name": "x", "lora_path": "smol-lora", "workers": ["no-such-worker"]}, "workers"),
+    ({"lora_name": "x", "lora_path": "other-base-lora"}, "lora_path"),
 ])
 def test_bad_loads_are_400_naming_the_field(lmesh: Mesh, lclient: Any, body: dict[str, Any], param: str) -> None:
     r = httpx.post(f"{lmesh.base_url}/v1/load_lora_adapter", json=body, timeout=120)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert "x" not in {m.id for m in lclient.models.list().data}
+
+
+def test_a_refused_load_leaves_the_model_as_it_was(lmesh: Mesh, lclient: Any, lora_root: Path,
+                                                   hf_model: Any) -> None:
+    """After a shape-mismatched adapter was refused on every worker, the base model's text is unchanged and a good
+    adapter still loads and gives transformers + peft's text."""
+    base = lclient.completions.create(model=MODEL, prompt=TEXT, max_tokens=8, temperature=0).choices[0].text
+    r = httpx.post(f"{lmesh.base_url}/v1/load_lora_adapter", timeout=300,
+                   json={"lora_name": "mismatch", "lora_path": "other-base-lora"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert "cannot be loaded on this model" in r.json()["error"]["message"]
+    assert "mismatch" not in {m.id for m in lclient.models.list().data}
+    assert lclient.completions.create(model=MODEL, prompt=TEXT, max_tokens=8,
+                                      temperature=0).choices[0].text == base
+    r = httpx.post(f"{lmesh.base_url}/v1/load_lora_adapter", timeout=300,
+                   json={"lora_name": "after-refusal", "lora_path": "smol-lora"})
+    assert r.status_code == 200, r.text
+    got = lclient.completions.create(model="after-refusal", prompt=TEXT, max_tokens=8, temperature=0)
+    assert got.choices[0].text == _reference(lora_root, hf_model)
+    r = httpx.post(f"{lmesh.base_url}/v1/unload_lora_adapter", json={"lora_name": "after-refusal"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert lclient.completions.create(model=MODEL, prompt=TEXT, max_tokens=8,
+                                      temperature=0).choices[0].text == base
 
 
 def test_unloading_an_unknown_adapter_is_404(lmesh: Mesh) -> None:

@@ -128,3 +128,31 @@ async def test_adapters_load_again_after_all_were_unloaded(engine: Any, adapter:
     await engine.load_lora("again", str(adapter))
     assert await run(engine, "again") == reference(adapter)
     assert await run(engine) == base
+
+
+async def test_a_mismatched_first_adapter_leaves_the_plain_model_untouched(adapter: Path, tmp_path: Path) -> None:
+    """On a fresh engine (no adapter ever loaded) an adapter made for another base model is refused naming
+    ``path``; the base model's tokens are unchanged and a good adapter then loads and matches peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from embedmesh.models import ensure_default_model
+    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+
+    tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=49152))
+    get_peft_model(tiny, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(str(tmp_path / "o"))
+    e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))
+    await e.start()
+    try:
+        base = await run(e)
+        with pytest.raises(InvalidArgument) as info:
+            await e.load_lora("other", str(tmp_path / "o"))
+        assert info.value.field == "path" and info.value.reason == "ADAPTER_MISMATCH"
+        assert await e.list_loras() == {}
+        assert await run(e) == base
+        assert await e.load_lora("good", str(adapter))
+        assert await run(e, "good") == reference(adapter)
+        assert await run(e) == base
+    finally:
+        await e.shutdown()
