@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, tls
+from embedmesh.core import auth, tls, wire
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
 from embedmesh.core.logs import get_logger
@@ -269,6 +269,9 @@ def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadat
         request = _checked_stream(request, method)
     elif isinstance(request, _BadMessage):
         raise _bad_message(method, request)
+    elif isinstance(request, wire.WireRequest):  # tensors kept as views of the request bytes (core.wire)
+        wire.set_tensor_views(request.views)
+        request = request.message
     if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
         owed.append(principal)
     auth.set_principal(principal)
@@ -350,7 +353,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         access = self._access_for(method) if self._access_for else None
         authz = _Authorizer(access, self._require_client_cert) if access is not None else None
         kw = dict(
-            request_deserializer=_safe_deserializer(handler.request_deserializer, method),
+            request_deserializer=_safe_deserializer(
+                wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method),
             response_serializer=handler.response_serializer,
         )
         if handler.unary_unary:

@@ -15,6 +15,7 @@ overflow a 64-bit integer before it is compared with a byte length or a cap.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,8 +126,22 @@ def check_shape(shape: Sequence[int], field: str) -> int:
     return count
 
 
+_WIRE_VIEWS: ContextVar[dict[str, memoryview] | None] = ContextVar("embedmesh_wire_views", default=None)
+
+
+def set_wire_views(views: dict[str, memoryview] | None) -> None:
+    """Publish the current call's tensor bytes cut out of its request (``core.wire``), by field path."""
+    _WIRE_VIEWS.set(views)
+
+
+def wire_views() -> dict[str, memoryview] | None:
+    return _WIRE_VIEWS.get()
+
+
 def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarray, DType]:
-    """View a Tensor message's bytes as an array (bf16 as its uint16 bits). Checks dtype, shape and length."""
+    """View a Tensor message's bytes as an array (bf16 as its uint16 bits). Checks dtype, shape and length.
+    When the call's request was parsed with its tensors cut out (``core.wire``), the bytes of the tensor at path
+    ``field`` are a view of the received buffer and are not copied."""
     info = _INFO.get(msg.dtype)
     if info is None:
         raise InvalidArgument(f"{field}.dtype: unsupported data type {msg.dtype}", field=f"{field}.dtype",
@@ -134,7 +149,10 @@ def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarr
     shape = tuple(int(d) for d in msg.shape)
     count = check_shape(shape, f"{field}.shape")
     expected = count * info.numpy.itemsize
-    data = msg.data  # read once: each read of a bytes field may copy
+    views = wire_views()
+    data = views.get(field) if views else None
+    if data is None or len(msg.data):
+        data = msg.data  # read once: each read of a bytes field copies
     if len(data) != expected:
         raise InvalidArgument(
             f"{field}.data: {len(data)} bytes but shape {format_dims(shape)} of {info.name} needs "

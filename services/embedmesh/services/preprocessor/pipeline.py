@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import tensors
+from embedmesh.core import wire
 from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
@@ -91,13 +91,10 @@ class Usage:
     completion_tokens: int
 
 
-def _segments(prompt: Prompt, dtype: int) -> list[worker_pb2.PromptSegment]:
-    return [
-        worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=piece))
-        if isinstance(piece, tuple)
-        else worker_pb2.PromptSegment(embeds=tensors.from_numpy(piece, dtype))
-        for piece in prompt.pieces
-    ]
+def _segments(prompt: Prompt, dtype: int) -> list[bytes | memoryview]:
+    """A prompt's segments as GenerateRequest wire parts; embedding rows stay views of the validated array until
+    each request's bytes are joined (one copy per request, see ``core.wire``)."""
+    return [part for piece in prompt.pieces for part in wire.segment_parts(piece, dtype)]
 
 
 async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None) -> AsyncIterator[Delta | Usage]:
@@ -115,13 +112,14 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
                 sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
             req = worker_pb2.GenerateRequest(
                 request_id=f"{job.request_id}-{index}-{uuid.uuid4().hex[:6]}",
-                segments=segment,
                 sampling=sampling_to_proto(sampling),
                 lora_adapter=job.adapter,
             )
+            body = b"".join([req.SerializeToString(), *segment])
             pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
                            job.adapter)
-            tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter)))
+            tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter,
+                                                  body=body)))
     remaining = len(tasks)
     completion = 0
     t0 = time.perf_counter()
@@ -198,8 +196,11 @@ async def _one(
     pool: WorkerPool | None = None,
     model: str = "",
     adapter: str = "",
+    *,
+    body: bytes | None = None,
 ) -> None:
-    """Stream one sequence from a worker into ``out``. A worker that fails, refuses or aborts the sequence before
+    """Stream one sequence from a worker into ``out`` (``body``: ``req`` with its segments, already serialized;
+    without it ``req`` is sent as it is). A worker that fails, refuses or aborts the sequence before
     it produced anything is retried once on another worker (see the module docstring)."""
     failed: WorkerHandle | None = None
     for attempt in range(2):
@@ -214,7 +215,7 @@ async def _one(
             else:
                 worker = pool.pick(model, exclude=failed)
             worker.inflight += 1
-            call = worker.stub.Generate(req)
+            call = worker.generate_raw(body) if body is not None else worker.stub.Generate(req)
             async for resp in call:
                 if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
                     log.warning("worker aborted a sequence", extra={"worker": worker.address,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +44,16 @@ class WorkerHandle:
     """LoRA adapters loaded on it (ListLoraAdapters, refreshed whenever it turns SERVING and after admin calls)."""
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _recheck: asyncio.Task[None] | None = field(default=None, repr=False)
+    _generate_raw: Any = field(default=None, repr=False)
+
+    def generate_raw(self, body: bytes) -> Any:
+        """``WorkerService.Generate`` with request bytes already serialized (``core.wire``): the tensor rows are
+        not copied again by protobuf on the way out."""
+        if self._generate_raw is None:
+            self._generate_raw = self.channel.unary_stream(
+                f"/{WORKER_SERVICE}/Generate", request_serializer=None,
+                response_deserializer=worker_pb2.GenerateResponse.FromString)
+        return self._generate_raw(body)
 
 
 class WorkerPool:
