@@ -91,6 +91,10 @@ class Usage:
     completion_tokens: int
 
 
+BACKLOG = 256
+"""Worker responses queued for one job before its workers' streams are no longer read (a slow reader)."""
+
+
 def _segments(prompt: Prompt, dtype: int) -> list[bytes | memoryview]:
     """A prompt's segments as GenerateRequest wire parts; embedding rows stay views of the validated array until
     each request's bytes are joined (one copy per request, see ``core.wire``)."""
@@ -126,18 +130,20 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
     first: float | None = None
     try:
         while remaining:
-            item = await out.get()
-            if isinstance(item, BaseException):
-                raise item
-            index, resp = item
-            if first is None and resp.token_ids:
-                first = time.perf_counter()
-                TTFT.labels(job.model).observe(first - t0)
-            yield Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason, tuple(resp.logprobs),
-                        tuple(resp.prompt_logprobs))
-            if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                remaining -= 1
-                completion += resp.completion_tokens
+            items = [await out.get()]
+            while not out.empty():  # a reader slower than the workers: what queued meanwhile goes out merged
+                items.append(out.get_nowait())
+            for item in _coalesce(items):
+                if isinstance(item, BaseException):
+                    raise item
+                delta, tokens = item
+                if first is None and delta.token_ids:
+                    first = time.perf_counter()
+                    TTFT.labels(job.model).observe(first - t0)
+                yield delta
+                if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    remaining -= 1
+                    completion += tokens
         prompt_tokens = sum(len(p) for p in job.prompts)
         for p in job.prompts:
             for piece in p.pieces:
@@ -152,6 +158,31 @@ async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _coalesce(items: list[tuple[int, worker_pb2.GenerateResponse] | BaseException]
+              ) -> list[tuple[Delta, int] | BaseException]:
+    """Worker responses in arrival order as (delta, completion tokens); consecutive responses of one choice
+    become one delta (text, ids and log-probabilities joined; the last one's finish), so a slow reader gets fewer,
+    larger messages instead of a growing backlog. An error stays in its place."""
+    out: list[tuple[Delta, int] | BaseException] = []
+    for item in items:
+        if isinstance(item, BaseException):
+            out.append(item)
+            continue
+        index, resp = item
+        delta = Delta(index, resp.text, tuple(resp.token_ids), resp.finish_reason, tuple(resp.logprobs),
+                      tuple(resp.prompt_logprobs))
+        prev = out[-1] if out else None
+        if (isinstance(prev, tuple) and prev[0].index == index
+                and prev[0].finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED):
+            p = prev[0]
+            delta = Delta(index, p.text + delta.text, p.token_ids + delta.token_ids, delta.finish_reason,
+                          p.logprobs + delta.logprobs, p.prompt_logprobs + delta.prompt_logprobs)
+            out[-1] = (delta, resp.completion_tokens)
+        else:
+            out.append((delta, resp.completion_tokens))
+    return out
 
 
 def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: list[int], prompt_len: int,
@@ -228,6 +259,8 @@ async def _one(
                                       reason="WORKER_ABORTED", retry_after_seconds=1.0)
                 sent = True
                 out.put_nowait((index, resp))
+                while out.qsize() > BACKLOG:  # the reader is behind: stop reading the worker (gRPC flow control
+                    await asyncio.sleep(0.002)  # holds it back) until the reader took what is queued
             else:
                 return
             continue  # aborted before any output: the retry

@@ -11,6 +11,7 @@ import grpc
 from embedmesh.core import tensors
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
+from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
@@ -40,13 +41,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         prompt_len = req.prompt_len
         wants_text = req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None
         token_text = self.engine.token_text if wants_text else None
-        stream = self.engine.generate(req)
-        try:
-            async for delta in stream:
-                yield delta_to_proto(delta, prompt_len, token_text)
-        finally:
-            # Cancellation (caller gone) lands here; closing the engine's stream aborts the sequence.
-            await stream.aclose()  # type: ignore[attr-defined]
+        async for delta in coalesced(self.engine.generate(req)):
+            yield delta_to_proto(delta, prompt_len, token_text)
 
     def _admit(self) -> None:
         """Refuse a sequence at once when a full batch is running and ``max_queue`` more already wait."""
