@@ -15,33 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored
 from embedmesh.services.router.approx import ApproxTracker
 from embedmesh.services.router.indexer import RadixIndexer
 
 __all__ = ["Stored", "Removed", "Cleared", "KvEvent", "EventBatch", "BatchOutcome", "WorkerState", "Registry"]
-
-
-@dataclass(frozen=True)
-class Stored:
-    """Blocks cached, chained under ``parent_hash`` (0 = prompt start)."""
-
-    parent_hash: int
-    block_hashes: Sequence[int]
-
-
-@dataclass(frozen=True)
-class Removed:
-    """Blocks evicted."""
-
-    block_hashes: Sequence[int]
-
-
-@dataclass(frozen=True)
-class Cleared:
-    """The worker dropped its whole cache."""
-
-
-KvEvent = Stored | Removed | Cleared
 
 
 @dataclass(frozen=True)

@@ -73,10 +73,10 @@ async def serve(config: WorkerConfig) -> None:
             snapshot=_kv_snapshot(vllm) if publishes else None,
         )
         if publishes:
-            from embedmesh.services.worker.engines.vllm_kv_events import to_router_events
+            from embedmesh.core.kv_events import to_proto
 
             assert vllm is not None
-            vllm.on_kv_events(lambda events: link.publish(to_router_events(events)))
+            vllm.on_kv_events(lambda events: link.publish(to_proto(events)))
             if config.kv_events_log:
                 vllm.on_kv_events(_events_log(config.kv_events_log))
         link.start()
@@ -125,10 +125,10 @@ def _as_vllm(engine: Engine) -> VLLMEngine | None:
 
 
 def _kv_snapshot(engine: VLLMEngine | None) -> Callable[[], list[router_pb2.KvEvent]]:
-    from embedmesh.services.worker.engines.vllm_kv_events import to_router_events
+    from embedmesh.core.kv_events import to_proto
 
     assert engine is not None
-    return lambda: to_router_events(engine.kv_snapshot())
+    return lambda: to_proto(engine.kv_snapshot())
 
 
 def main(argv: list[str] | None = None) -> None:

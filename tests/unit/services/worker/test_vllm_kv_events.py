@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
+from embedmesh.core.kv_events import to_proto
 from embedmesh.services.worker.engines.base import EmbedsSegment, TokenSegment
 from embedmesh.services.worker.engines.vllm_kv_events import (
     Cleared,
@@ -19,7 +20,6 @@ from embedmesh.services.worker.engines.vllm_kv_events import (
     Removed,
     Stored,
     event_rows,
-    to_router_events,
 )
 
 B = 4  # the mesh's block size in these tests
@@ -328,7 +328,7 @@ def test_int_block_hashes_work_too() -> None:
 
 
 def test_router_proto_events() -> None:
-    msgs = to_router_events([Stored(ROOT, (1, 2)), Removed((2,)), Cleared()])
+    msgs = to_proto([Stored(ROOT, (1, 2)), Removed((2,)), Cleared()])
     assert [m.WhichOneof("kind") for m in msgs] == ["stored", "removed", "cleared"]
     assert list(msgs[0].stored.block_hashes) == [1, 2] and msgs[0].stored.parent_hash == 0
     assert list(msgs[1].removed.block_hashes) == [2]

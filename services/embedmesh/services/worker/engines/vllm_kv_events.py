@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
+from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import Segment, TokenSegment
 
@@ -47,7 +48,6 @@ __all__ = [
     "MeshKvEvent",
     "KvEventTranslator",
     "VllmKvEventSubscriber",
-    "to_router_events",
     "event_rows",
 ]
 
@@ -57,27 +57,8 @@ PRIMARY_MEDIA = frozenset({None, "GPU"})
 """vLLM labels its main KV pool "GPU" on every platform (the CPU build too); "CPU"/"STORAGE" are offload tiers."""
 
 
-@dataclass(frozen=True)
-class Stored:
-    """Blocks cached, chained under ``parent_hash`` (``ROOT`` for a prompt's first block)."""
-
-    parent_hash: int
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Removed:
-    """Blocks evicted."""
-
-    block_hashes: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Cleared:
-    """Every block dropped (vLLM's prefix cache was reset, or the mapping was lost)."""
-
-
-MeshKvEvent = Stored | Removed | Cleared
+MeshKvEvent = KvEvent
+"""The events this module produces (``core.kv_events``: one definition for producers and the router)."""
 Sink = Callable[[list[MeshKvEvent]], None]
 """Receives the translation of one vLLM batch (never an empty list)."""
 
@@ -436,22 +417,6 @@ def _digest(t: _Tracked, start: int, end: int) -> bytes:
         d = hashlib.sha256(np.ascontiguousarray(t.sent_rows[start:end]).tobytes()).digest()
         t.digests[(start, end)] = d
     return d
-
-
-def to_router_events(events: list[MeshKvEvent]) -> list[Any]:
-    """The router protocol's ``KvEvent`` messages for mesh events."""
-    from embedmesh.router.v1 import router_pb2
-
-    out = []
-    for e in events:
-        if isinstance(e, Stored):
-            out.append(router_pb2.KvEvent(stored=router_pb2.BlocksStored(parent_hash=e.parent_hash,
-                                                                         block_hashes=e.block_hashes)))
-        elif isinstance(e, Removed):
-            out.append(router_pb2.KvEvent(removed=router_pb2.BlocksRemoved(block_hashes=e.block_hashes)))
-        else:
-            out.append(router_pb2.KvEvent(cleared=router_pb2.AllBlocksCleared()))
-    return out
 
 
 def event_rows(events: list[MeshKvEvent]) -> list[dict[str, Any]]:
