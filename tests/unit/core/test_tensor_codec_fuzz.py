@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from embedmesh.core import tensors
+from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensor_codec import decode_tensor_bytes
-from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
 from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812
 from tests.support.fuzz import fuzz_settings
 from tests.unit.core.test_tensor_codec import _Call, _replace_entry, _Storage, forge, saved

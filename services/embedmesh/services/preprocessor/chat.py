@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_context
 from embedmesh.services.preprocessor.tools import ToolSpec
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
 from embedmesh.services.encoder_cache.keys import payload_key
 from embedmesh.services.encoder_cache.service import lookup_upload
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
-from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
 
 __all__ = ["EmbedsResolver", "Piece", "Prompt", "RawEmbeds", "Tokenizer", "build_prompts", "check_context"]
 

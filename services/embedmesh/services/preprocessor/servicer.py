@@ -17,6 +17,7 @@ from prometheus_client import Counter, Gauge
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.auth import current_principal, limiter
+from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.sampling import SamplingParams, Structured, sampling_from_proto
 from embedmesh.core.server import mesh_channel
@@ -26,7 +27,6 @@ from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.embeddings import embed_inputs
-from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds, Tokenizer, build_prompts
 from embedmesh.services.preprocessor.tools import ToolParser, call_text, tool_response_text, tools_from_proto

@@ -6,7 +6,7 @@ Each refusal is an InvalidArgument naming the field and the rule (reason in pare
 - the model generates text (WRONG_TASK)
 - the prompt has at least one position (EMPTY_PROMPT)
 - token ids are in ``[0, vocab_size)`` (TOKEN_OUT_OF_RANGE)
-- embedding rows: every rule of ``preprocessor.embeds.validate_embeds`` — float dtype, ``(rows, hidden_size)``,
+- embedding rows: every rule of ``core.embeds.validate_embeds`` — float dtype, ``(rows, hidden_size)``,
   at least one row, finite after the cast to the model dtype (UNSUPPORTED_DTYPE, BAD_RANK, HIDDEN_SIZE_MISMATCH,
   EMPTY_EMBEDS, NON_FINITE) — checked where the wire dtype is still known (``embeds_from_wire``)
 - prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW)
@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from embedmesh.core import tensors
+from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams
-from embedmesh.services.preprocessor.embeds import ModelSpec, validate_embeds
 from embedmesh.services.worker.engines.base import EmbedsSegment, GenerationRequest, ModelInfo, TokenSegment
 
 __all__ = ["check_task", "check_generation", "check_sampling_for_model", "embeds_from_wire"]

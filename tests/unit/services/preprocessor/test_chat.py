@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.chat import (
     PLACEHOLDER,
@@ -16,7 +17,6 @@ from embedmesh.services.preprocessor.chat import (
     ChatTemplate,
     build_chat_prompt,
 )
-from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.tensor.v1 import tensor_pb2
 

@@ -8,10 +8,10 @@ import json
 import jsonschema
 import pytest
 
+from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
-from embedmesh.services.preprocessor.embeds import ModelSpec
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.tools import ToolParser, call_text, tools_from_proto
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
+from embedmesh.core.embeds import ModelSpec, decode_prompt_embeds, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensors import bf16_to_f32, f32_to_bf16
-from embedmesh.services.preprocessor.embeds import ModelSpec, decode_prompt_embeds, validate_embeds
 from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812 - T.DATA_TYPE_* reads well in tables
 
 FP32 = ModelSpec(hidden_size=8, max_context_tokens=32, dtype=T.DATA_TYPE_FP32)
@@ -229,7 +229,7 @@ async def test_resolver_uses_upload_ids_in_the_callers_tenant_only_and_revalidat
 
 def test_float64_to_float16_rounds_twice_like_torch() -> None:
     """torch goes float64 -> float32 -> float16; a direct cast differs by one ulp on ~1 value in 20 000."""
-    from embedmesh.services.preprocessor.embeds import _cast
+    from embedmesh.core.embeds import _cast
 
     x = torch.randn(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 100
     direct = x.numpy().astype(np.float16)
