@@ -15,11 +15,11 @@ from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2
-from embedmesh.services.router.worker_client import LoadReport, RouterLink
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.engines.registry import build_engine
 from embedmesh.services.worker.metrics import register_engine_metrics
+from embedmesh.services.worker.router_link import LoadReport, RouterLink
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.services.worker.watchdog import Watchdog
 from embedmesh.worker.v1 import worker_pb2_grpc

@@ -21,7 +21,7 @@ from embedmesh.services.router.config import RouterConfig
 from embedmesh.services.router.indexer import RadixIndexer
 from embedmesh.services.router.main import build, sweep_forever
 from embedmesh.services.router.servicer import SERVICE_NAME, RouterServicer
-from embedmesh.services.router.worker_client import LoadReport, RouterLink
+from embedmesh.services.worker.router_link import LoadReport, RouterLink
 
 BS = 4
 
