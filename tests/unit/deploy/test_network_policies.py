@@ -129,7 +129,7 @@ def test_internal_services_answer_mesh_pods_only(rendered: Any) -> None:
             public = _public().get(p) == name
             assert allowed(policies, labels, p, stranger) is public, (name, p)
             assert allowed(policies, labels, p, OUTSIDE) is public, (name, p)
-    for name in ("worker", "worker-embed", "router", "encoder-cache", "vector-store"):
+    for name in ("worker", "worker-embed", "router", "vector-store"):
         labels, ports = pods[name]
         assert not any(allowed(policies, labels, p, OUTSIDE) for p in ports), name
 
