@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import tracer
+from embedmesh.gateway import embeds_json
 from embedmesh.gateway.auth import authenticate_request, forwarding_channel
 from embedmesh.gateway.completions import completion_routes
 from embedmesh.gateway.config import GatewayConfig
@@ -76,9 +77,9 @@ class Gateway:
         if self.channel is not None:
             await self.channel.close()
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
+    async def read_json(self, request: Request, base64_slots: embeds_json.Slots | None = None) -> dict[str, Any]:
         """The body as a JSON object; 413 past ``max_body_bytes`` (checked while reading, not after), 400 if not
-        a JSON object."""
+        a JSON object. With ``base64_slots``, long base64 strings there come already decoded (``embeds_json``)."""
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -95,6 +96,11 @@ class Gateway:
             raise ApiError(499, "the client closed the connection while sending the body",
                            code="client_disconnected") from None
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        if base64_slots is not None:
+            body = embeds_json.loads(raw, base64_slots)
+            if body is not None:
+                return require_object(body)
         try:
             return require_object(orjson.loads(raw))
         except orjson.JSONDecodeError as e:

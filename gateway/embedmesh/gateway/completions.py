@@ -21,10 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
 from embedmesh.gateway.sse import DONE, DisconnectWatcher, EventStream, event
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, usage_json
+from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
 from embedmesh.inference.v1 import inference_pb2
 
 if TYPE_CHECKING:
@@ -186,16 +188,26 @@ def completion_routes(gw: Gateway) -> list[Route]:
     """The completion routes, bound to the gateway's channel."""
 
     async def generate(request: Request, chat: bool) -> Response:
-        body = await gw.read_json(request)
-        params = chat_params(body) if chat else completion_params(body)
+        body = await gw.read_json(request, chat_slots if chat else completion_slots)
+        # Decoded prompt_embeds go to ``blobs`` and are spliced into the request bytes (one copy, see wire_body).
+        blobs: list[bytes] = []
+        params = chat_params(body, blobs) if chat else completion_params(body, blobs)
+        data = (chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)) \
+            if blobs else None
+        del blobs
         stub = gw.stub
         timeout = gw.config.request_timeout_seconds
         created = int(time.time())
         if not body.get("stream"):
-            if chat:
+            if data is not None:
+                method, response = ("Chat", inference_pb2.ChatResponse) if chat else \
+                    ("Complete", inference_pb2.CompleteResponse)
+                unary = raw_unary_unary(gw.channel, method, response)(data, timeout=timeout)
+            elif chat:
                 unary = stub.Chat(inference_pb2.ChatRequest(params=params), timeout=timeout)
             else:
                 unary = stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=timeout)
+            del data
             # A client that leaves before the whole completion is ready cancels the generation too.
             watcher = DisconnectWatcher(request.receive, unary)
             try:
@@ -210,10 +222,15 @@ def completion_routes(gw: Gateway) -> list[Route]:
             finally:
                 watcher.stop()
             return Response(orjson.dumps(_whole(resp, created, _Shape(body, chat))), media_type="application/json")
-        if chat:
+        if data is not None:
+            method, response = ("StreamChat", inference_pb2.StreamChatResponse) if chat else \
+                ("StreamComplete", inference_pb2.StreamCompleteResponse)
+            call = raw_unary_stream(gw.channel, method, response)(data, timeout=timeout)
+        elif chat:
             call = stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
         else:
             call = stub.StreamComplete(inference_pb2.StreamCompleteRequest(params=params), timeout=timeout)
+        del data
         # Watch from the start: a client that leaves during a long prefill cancels the call too.
         watcher = DisconnectWatcher(request.receive, call)
         try:

@@ -26,7 +26,9 @@ import orjson
 import pybase64
 
 from embedmesh.common.v1 import common_pb2
+from embedmesh.gateway.embeds_json import Base64Text
 from embedmesh.gateway.errors import ApiError, bad_request
+from embedmesh.gateway.wire_body import placeholder
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
@@ -115,20 +117,30 @@ def _is_num(v: Any) -> bool:
 def decode_base64(value: Any, param: str) -> bytes:
     if not isinstance(value, str):
         raise bad_request(param, f"must be a base64 string, got {type(value).__name__}", "invalid_type")
+    if type(value) is Base64Text:  # decoded already, as it was read (embeds_json)
+        return value.decoded
     try:
         return pybase64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(param, "is not valid base64 (standard alphabet, with padding)", "invalid_base64") from None
 
 
-def embeds_source(value: Any, param: str) -> inference_pb2.PromptEmbeds:
-    """A base64 torch.save/safetensors string, or {"id": "emb-..."} for a tensor uploaded to /v1/prompt_embeds."""
+def embeds_source(value: Any, param: str, blobs: list[bytes] | None = None) -> inference_pb2.PromptEmbeds:
+    """A base64 torch.save/safetensors string, or {"id": "emb-..."} for a tensor uploaded to /v1/prompt_embeds.
+
+    With ``blobs``, the decoded bytes are appended there and the message holds ``wire_body.placeholder`` of their
+    index instead (copying tens of MiB into protobuf messages, again at each nesting, is what ``wire_body``
+    avoids)."""
     if isinstance(value, dict):
         key = value.get("id")
         if not isinstance(key, str) or not key:
             raise bad_request(f"{param}.id", 'must be the id returned by POST /v1/prompt_embeds', "missing")
         return inference_pb2.PromptEmbeds(cache_id=key)
-    return inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=decode_base64(value, param)))
+    data = decode_base64(value, param)
+    if blobs is not None:
+        blobs.append(data)
+        data = placeholder(len(blobs) - 1)
+    return inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=data))
 
 
 def _sampling(body: dict[str, Any], *, chat: bool) -> common_pb2.SamplingParams:
@@ -323,8 +335,8 @@ def _common(body: dict[str, Any], unsupported: dict[str, _Check], chat: bool) ->
     return model, n
 
 
-def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
-    """/v1/completions body -> CompletionParams."""
+def completion_params(body: dict[str, Any], blobs: list[bytes] | None = None) -> inference_pb2.CompletionParams:
+    """/v1/completions body -> CompletionParams. With ``blobs``: see ``embeds_source``."""
     model, n = _common(body, _UNSUPPORTED_COMPLETIONS, chat=False)
     params = inference_pb2.CompletionParams(model=model, sampling=_sampling(body, chat=False))
     if n is not None:
@@ -349,10 +361,10 @@ def completion_params(body: dict[str, Any]) -> inference_pb2.CompletionParams:
             raise bad_request("prompt_embeds", "must be a base64 string or a non-empty list of them", "invalid_type")
         for i, item in enumerate(items):
             param = "prompt_embeds" if not isinstance(embeds, list) or len(items) == 1 else f"prompt_embeds[{i}]"
-            params.prompt_embeds.append(embeds_source(item, param))
+            params.prompt_embeds.append(embeds_source(item, param, blobs))
     prefix = body.get("prompt_embeds_prefix")
     if prefix is not None:
-        params.prefix.CopyFrom(embeds_source(prefix, "prompt_embeds_prefix"))
+        params.prefix.CopyFrom(embeds_source(prefix, "prompt_embeds_prefix", blobs))
     prompt = body.get("prompt")
     if prompt is None:
         pass
@@ -386,8 +398,9 @@ def _check_ids(ids: list[int], param: str) -> None:
         raise bad_request(param, "token ids must be integers in [0, vocabulary size)", "invalid_value")
 
 
-def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
-    """/v1/chat/completions body -> ChatParams. Content parts: text and prompt_embeds."""
+def chat_params(body: dict[str, Any], blobs: list[bytes] | None = None) -> inference_pb2.ChatParams:
+    """/v1/chat/completions body -> ChatParams. Content parts: text and prompt_embeds. With ``blobs``: see
+    ``embeds_source``."""
     model, n = _common(body, _UNSUPPORTED_CHAT, chat=True)
     params = inference_pb2.ChatParams(model=model, sampling=_sampling(body, chat=True))
     if n is not None:
@@ -459,7 +472,7 @@ def chat_params(body: dict[str, Any]) -> inference_pb2.ChatParams:
                         raise bad_request(f"{where}.data", "is required for a prompt_embeds part (base64 of "
                                           "torch.save(tensor)), or give the id of an upload", "missing")
                     else:
-                        source = embeds_source(part["data"], f"{where}.data")
+                        source = embeds_source(part["data"], f"{where}.data", blobs)
                     msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=source))
                 else:
                     raise bad_request(f"{where}.type", f"unsupported content part type {kind!r}; this server "
