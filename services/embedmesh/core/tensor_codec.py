@@ -264,13 +264,49 @@ class _SafeUnpickler(pickle.Unpickler):
 # --- torch.save: the archive ------------------------------------------------------------------------------------
 
 
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (``io.BytesIO`` would copy it): zipfile reads the directory
+    and the small pickle through it; storages are viewed in place (``_read_storage``)."""
+
+    def __init__(self, data: Any) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        chunk = self._view[self._pos:self._pos + len(b)]
+        n = len(chunk)
+        b[:n] = chunk
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else self._pos + size
+        chunk = bytes(self._view[self._pos:end])
+        self._pos += len(chunk)
+        return chunk
+
+
 def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
                       cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
     """Decode the bytes of ``torch.save(tensor)``; see the module docstring for the safety rules."""
     if bytes(data[:4]) != _ZIP_MAGIC:
         _refuse_unknown_container(data, field)
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
+        archive = zipfile.ZipFile(io.BytesIO(data) if isinstance(data, bytes) else _ViewFile(data))
     except Exception as e:  # noqa: BLE001 - any unreadable archive is the client's
         raise _bad(field, "NOT_A_TENSOR", f"not a readable torch.save archive ({type(e).__name__})") from None
     names = archive.namelist()

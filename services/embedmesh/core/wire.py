@@ -157,6 +157,11 @@ _TOKEN_IDS = worker_pb2.PromptSegment.DESCRIPTOR.fields_by_name["token_ids"].num
 _PARAMS = inference_pb2.CompleteRequest.DESCRIPTOR.fields_by_name["params"].number
 _PROMPT_EMBEDS = inference_pb2.CompletionParams.DESCRIPTOR.fields_by_name["prompt_embeds"].number
 _PE_TENSOR = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["tensor"].number
+_PE_ENCODED = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["encoded"].number
+_PE_CACHE_ID = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["cache_id"].number
+_ENCODED_DATA = tensor_pb2.EncodedTensor.DESCRIPTOR.fields_by_name["data"].number
+_PE_SOURCES = {_PE_TENSOR: _DATA, _PE_ENCODED: _ENCODED_DATA, _PE_CACHE_ID: 0}
+"""PromptEmbeds' oneof members -> the field holding their bytes (0: a cache id, kept as it is)."""
 assert _PARAMS == inference_pb2.StreamCompleteRequest.DESCRIPTOR.fields_by_name["params"].number
 
 
@@ -208,24 +213,26 @@ def split_generate_request(raw: bytes) -> WireRequest | None:
 
 
 def _cut_tensor(buf: memoryview, f: tuple[int, int, int, int, int], field: int,
-                views: dict[str, memoryview], path: str) -> bytes | None:
-    """Field ``f`` (a Tensor under ``field``) re-encoded without its ``data``, which goes to ``views[path]``;
-    None when the tensor holds ``data`` more than once (protobuf keeps the last: leave it to protobuf)."""
+                views: dict[str, memoryview], path: str, data_field: int = 0) -> bytes | None:
+    """Field ``f`` (a Tensor, or an EncodedTensor, under ``field``) re-encoded without its ``data``, which goes to
+    ``views[path]``; None when it holds ``data`` more than once (protobuf keeps the last: leave it to protobuf)."""
+    data_field = data_field or _DATA
     tensor = _fields(buf, f[3], f[4])
-    data = [t for t in tensor if t[0] == _DATA]
+    data = [t for t in tensor if t[0] == data_field]
     if len(data) > 1 or (data and data[0][1] != _LEN):
         return None
-    kept = b"".join(buf[t[2]:t[4]] for t in tensor if t[0] != _DATA)
+    kept = b"".join(buf[t[2]:t[4]] for t in tensor if t[0] != data_field)
     if data:
         views[path] = buf[data[0][3]:data[0][4]]
     return _key(field) + varint(len(kept)) + kept
 
 
 def split_complete_request(raw: bytes, cls: Any) -> WireRequest | None:
-    """``split_generate_request`` for ``CompleteRequest`` / ``StreamCompleteRequest``: the raw tensors of
-    ``params.prompt_embeds`` become views, under the field names the preprocessor reports them with
-    (``prompt_embeds`` for one, ``prompt_embeds[i]`` for several). None unless the message has its plain shape:
-    ``params`` once, and each ``prompt_embeds`` entry with at most one source."""
+    """``split_generate_request`` for ``CompleteRequest`` / ``StreamCompleteRequest``: the bytes of
+    ``params.prompt_embeds`` (raw tensors, and serialized ones as the gateway sends them) become views, under the
+    field names the preprocessor reports them with (``prompt_embeds`` for one, ``prompt_embeds[i]`` for several).
+    None unless the message has its plain shape: ``params`` once, and each ``prompt_embeds`` entry with at most one
+    source."""
     buf = memoryview(raw)
     try:
         top = _fields(buf, 0, len(buf))
@@ -244,14 +251,15 @@ def split_complete_request(raw: bytes, cls: Any) -> WireRequest | None:
                 out.append(buf[f[2]:f[4]])
                 continue
             source = _fields(buf, f[3], f[4])
-            if len(source) != 1 or source[0][0] != _PE_TENSOR or source[0][1] != _LEN:
-                if any(x[0] == _PE_TENSOR for x in source):
-                    return None  # a tensor beside another source (a oneof): protobuf's rules decide
+            kinds = [x[0] for x in source if x[0] in _PE_SOURCES]
+            if len(kinds) > 1 or (kinds and (len(source) != 1 or source[0][1] != _LEN)):
+                return None  # a source beside another (a oneof), or an odd encoding: protobuf's rules decide
+            if not kinds or kinds[0] == _PE_CACHE_ID:
                 out.append(buf[f[2]:f[4]])
                 index += 1
                 continue
             path = "prompt_embeds" if len(entries) == 1 else f"prompt_embeds[{index}]"
-            cut = _cut_tensor(buf, source[0], _PE_TENSOR, views, path)
+            cut = _cut_tensor(buf, source[0], kinds[0], views, path, _PE_SOURCES[kinds[0]])
             if cut is None:
                 return None
             out.append(_key(_PROMPT_EMBEDS) + varint(len(cut)) + cut)

@@ -469,3 +469,22 @@ def test_property_any_view_round_trips(view: torch.Tensor) -> None:
     assert got == TORCH_DTYPES[view.dtype]
     assert arr.shape == tuple(view.shape)
     assert np.array_equal(values(arr, got), torch_values(view))
+
+
+def test_views_of_received_bytes_decode_like_bytes() -> None:
+    """The preprocessor hands the codec a view of the request bytes (core.wire): same values, same refusals."""
+    t = torch.randn(7, 5)
+    real = zipfile.ZipFile(io.BytesIO(saved(t)))
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for n in real.namelist():
+            z.writestr(n, real.read(n))
+    for payload in (saved(t), zipped.getvalue(), st_save({"e": t})):
+        framed = b"xx" + payload + b"yy"  # a view inside a bigger buffer, as in a protobuf message
+        arr, dtype = decode(memoryview(framed)[2:-2])
+        expected, expected_dtype = decode(payload)
+        assert dtype == expected_dtype and np.array_equal(arr, expected) and arr.flags.owndata
+    for name, payload, reason in BAD:
+        with pytest.raises(InvalidArgument) as info:
+            decode(memoryview(payload()))
+        assert info.value.reason == reason, name

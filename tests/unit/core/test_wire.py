@@ -155,10 +155,12 @@ def test_completion_requests_keep_raw_tensors_as_views_under_the_preprocessors_f
         req.params.sampling.max_tokens = 4
         raw = req.SerializeToString()
         split = wire.split_complete_request(raw, cls)
-        assert split is not None and set(split.views) == {"prompt_embeds[0]", "prompt_embeds[2]"}
+        assert split is not None and set(split.views) == {"prompt_embeds[0]", "prompt_embeds[1]", "prompt_embeds[2]"}
+        assert bytes(split.views["prompt_embeds[1]"]) == b"PK\x03\x04zz"
         expected = cls()
         expected.CopyFrom(req)
         expected.params.prompt_embeds[0].tensor.data = b""
+        expected.params.prompt_embeds[1].encoded.data = b""
         expected.params.prompt_embeds[2].tensor.data = b""
         assert split.message == expected
         assert bytes(split.views["prompt_embeds[2]"]) == b.tobytes()
@@ -171,3 +173,27 @@ def test_completion_requests_keep_raw_tensors_as_views_under_the_preprocessors_f
         assert wire.split_complete_request(twice, cls) is None
         parsed = wire.REQUEST_PARSERS[f"/embedmesh.inference.v1.InferenceService/{cls.__name__[:-7]}"](twice)
         assert isinstance(parsed, cls) and len(parsed.params.prompt_embeds) == 2
+
+
+def test_serialized_tensors_from_the_gateway_become_views_too() -> None:
+    from embedmesh.inference.v1 import inference_pb2
+
+    blob = b"PK\x03\x04" + bytes(range(256)) * 40
+    req = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model="m", prompt_embeds=[
+        inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)),
+        inference_pb2.PromptEmbeds(cache_id="emb-abc")]))
+    split = wire.split_complete_request(req.SerializeToString(), inference_pb2.CompleteRequest)
+    assert split is not None and list(split.views) == ["prompt_embeds[0]"]
+    assert bytes(split.views["prompt_embeds[0]"]) == blob
+    expected = inference_pb2.CompleteRequest()
+    expected.CopyFrom(req)
+    expected.params.prompt_embeds[0].encoded.data = b""
+    assert split.message == expected
+    # Two sources in one entry (a oneof: protobuf keeps the last): left to protobuf.
+    both = inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)).SerializeToString() + \
+        inference_pb2.PromptEmbeds(cache_id="emb-x").SerializeToString()
+    pe_key = wire.varint((inference_pb2.CompletionParams.DESCRIPTOR.fields_by_name["prompt_embeds"].number << 3) | 2)
+    params = pe_key + wire.varint(len(both)) + both
+    raw = wire.varint((1 << 3) | 2) + wire.varint(len(params)) + params
+    assert wire.split_complete_request(raw, inference_pb2.CompleteRequest) is None
+    assert inference_pb2.CompleteRequest.FromString(raw).params.prompt_embeds[0].cache_id == "emb-x"

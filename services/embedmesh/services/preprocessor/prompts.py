@@ -23,7 +23,7 @@ __all__ = ["EmbedsResolver", "Piece", "Prompt", "RawEmbeds", "Tokenizer", "build
 class RawEmbeds:
     """One prompt_embeds entry as it arrived: serialized bytes, an already-typed raw tensor, or an upload id."""
 
-    encoded: bytes | None = None
+    encoded: bytes | memoryview | None = None
     array: np.ndarray | None = None
     dtype: int = 0
     cache_id: str = ""

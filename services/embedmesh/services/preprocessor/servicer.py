@@ -491,7 +491,9 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
         arr, dtype = tensors.to_numpy(pe.tensor, field=field)
         return RawEmbeds(array=arr, dtype=dtype)
     if kind == "encoded":
-        return RawEmbeds(encoded=pe.encoded.data)
+        views = tensors.wire_views()  # the bytes cut out of the received request (core.wire), if they were
+        view = views.get(field) if views and not pe.encoded.data else None
+        return RawEmbeds(encoded=view if view is not None else pe.encoded.data)
     if kind == "cache_id":
         return RawEmbeds(cache_id=pe.cache_id)
     raise InvalidArgument(f"{field}: neither tensor nor encoded is set", field=field, reason="REQUIRED")

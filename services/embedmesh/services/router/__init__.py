@@ -2,7 +2,8 @@
 
 Modules: ``indexer`` (the radix index), ``approx`` (tracking for engines without KV events), ``registry`` (live
 workers, event batches, liveness), ``scoring`` (the cost model), ``policy`` (one decision), ``servicer`` (gRPC),
-``config`` / ``main`` (bootstrap); client sides: ``route_client`` (preprocessor); the workers' side is ``worker.router_link``.
+``config`` / ``main`` (bootstrap); client side: ``route_client`` (preprocessor); the workers' side is
+``worker.router_link``.
 """
 
 __all__ = ["RadixIndexer", "KvRouter", "Registry", "Weights"]
