@@ -1,14 +1,14 @@
 """The Starlette app: one gRPC channel to the preprocessor, the route modules, health, metrics, OpenAI errors.
 
-Routes come from one module per API area, each a ``*_routes(gateway) -> list[Route]`` function bound to the
-``Gateway`` (channel, stubs, config, body reading)::
+Routes come from one module per API area, each with the same ``routes(gw: Gateway) -> list[Route]`` function bound
+to the ``Gateway`` (``context.py``: channel, stubs, config, body reading)::
 
     completions.py   POST /v1/completions, POST /v1/chat/completions (JSON or SSE)
     embeddings.py    POST /v1/embeddings
     uploads.py       /v1/prompt_embeds (upload a tensor once, refer to it by id)
     app.py           GET /v1/models, GET /health, GET /metrics
 
-A new area (``/v1/files``, ``/v1/vector_stores``) is a new module with its own ``(gateway) -> list[Route]``
+A new area (``/v1/files``, ``/v1/vector_stores``, ``lora.py``) is a new module with its own ``routes(gw)``
 function, listed in ``create_app`` or passed in ``extra_routes``. Every route gets the same wrapper: request count
 by route and status, latency, the in-flight gauge, a server span, and OpenAI error JSON for ``ApiError`` and
 unexpected errors.
@@ -29,24 +29,20 @@ from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import tracer
-from embedmesh.gateway import embeds_json
+from embedmesh.gateway import completions, embeddings, lora, uploads
 from embedmesh.gateway.auth import authenticate_request, forwarding_channel
-from embedmesh.gateway.completions import completion_routes
 from embedmesh.gateway.config import GatewayConfig
-from embedmesh.gateway.embeddings import embedding_routes
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import ApiError, error_response, from_grpc
-from embedmesh.gateway.lora import lora_routes
 from embedmesh.gateway.metrics import INFLIGHT, LATENCY, REQUESTS
 from embedmesh.gateway.sse import EventStream
-from embedmesh.gateway.translate import require_object
-from embedmesh.gateway.uploads import upload_routes
-from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.inference.v1 import inference_pb2
 
 __all__ = ["create_app", "Gateway"]
 
@@ -54,61 +50,6 @@ log = get_logger("embedmesh.gateway")
 
 _HEALTH_TIMEOUT_S = 3.0
 _MODELS_TIMEOUT_S = 10.0
-
-
-class Gateway:
-    """What every route module needs: the config, the channel to the preprocessor and its stubs, body reading.
-
-    The channel exists between the app's startup and shutdown (``open``/``close`` run in its lifespan).
-    """
-
-    def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
-        self.channel: grpc.aio.Channel = None  # type: ignore[assignment]  # set by open()
-        self.stub: inference_pb2_grpc.InferenceServiceStub = None  # type: ignore[assignment]
-        self.health: health_pb2_grpc.HealthStub = None  # type: ignore[assignment]
-
-    async def open(self) -> None:
-        self.channel = forwarding_channel(self.config.preprocessor)
-        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-
-    async def read_json(self, request: Request, base64_slots: embeds_json.Slots | None = None) -> dict[str, Any]:
-        """The body as a JSON object; 413 past ``max_body_bytes`` (checked while reading, not after), 400 if not
-        a JSON object. With ``base64_slots``, long base64 strings there come already decoded (``embeds_json``)."""
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise _too_large(limit)
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise _too_large(limit)
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise ApiError(499, "the client closed the connection while sending the body",
-                           code="client_disconnected") from None
-        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        del chunks
-        if base64_slots is not None:
-            body = embeds_json.loads(raw, base64_slots)
-            if body is not None:
-                return require_object(body)
-        try:
-            return require_object(orjson.loads(raw))
-        except orjson.JSONDecodeError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is over the {limit} byte limit", code="body_too_large")
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -294,7 +235,7 @@ RouteFactory = Callable[["Gateway"], list[Route]]
 
 def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactory] = ()) -> Starlette:
     """The gateway app. ``extra_routes`` plugs in more API areas: routes, or functions ``(gateway) -> routes``
-    (the shape of every ``*_routes`` function here, e.g. ``files.routes`` and ``vector_stores.routes``)."""
+    (the shape of every route module's ``routes``, e.g. ``files.routes`` and ``vector_stores.routes``)."""
     gw = Gateway(config)
     admission = _Admission(config.max_inflight)
 
@@ -314,8 +255,8 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     for extra in extra_routes:
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []
-    for r in [*completion_routes(gw), *mesh_routes(gw), *upload_routes(gw), *embedding_routes(gw), *lora_routes(gw),
-              *plugged]:
+    for r in [*completions.routes(gw), *mesh_routes(gw), *uploads.routes(gw), *embeddings.routes(gw),
+              *lora.routes(gw), *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
         routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced,
                                               admission=None if r.path == "/health" else admission),

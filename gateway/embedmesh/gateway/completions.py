@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import orjson
@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
@@ -29,10 +30,7 @@ from embedmesh.gateway.translate import FINISH, chat_params, completion_params, 
 from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
 from embedmesh.inference.v1 import inference_pb2
 
-if TYPE_CHECKING:
-    from embedmesh.gateway.app import Gateway
-
-__all__ = ["completion_routes"]
+__all__ = ["routes"]
 
 
 def _gone() -> Response:
@@ -184,7 +182,7 @@ async def _events(call: Any, first: Any, created: int, shape: _Shape, include_us
     yield DONE
 
 
-def completion_routes(gw: Gateway) -> list[Route]:
+def routes(gw: Gateway) -> list[Route]:
     """The completion routes, bound to the gateway's channel."""
 
     async def generate(request: Request, chat: bool) -> Response:

@@ -3,7 +3,7 @@ token-id lists; ``encoding_format`` "float" (the default) or "base64" (little-en
 decodes them); ``dimensions``; ``user`` ignored. Only the JSON shape is checked here; the rules on the inputs
 (empty, vocabulary, length, count, dimensions) live in the preprocessor, so gRPC clients get the same 400s.
 
-Registered by ``create_app`` through ``embedding_routes(gateway)``.
+Registered by ``create_app`` through ``routes(gateway)``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from embedmesh.core import tensors
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import bad_request, from_grpc
 from embedmesh.inference.v1 import inference_pb2
 
-__all__ = ["embedding_routes"]
+__all__ = ["routes"]
 
 
 def _is_int(v: Any) -> bool:
@@ -76,7 +77,7 @@ def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str
     return req, fmt
 
 
-def embedding_routes(gateway: Any) -> list[Route]:
+def routes(gateway: Gateway) -> list[Route]:
     """The route, bound to the gateway's preprocessor stub, JSON reader and timeout."""
     async def create(request: Request) -> Response:
         body = await gateway.read_json(request)

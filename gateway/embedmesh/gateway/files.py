@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.vector_stores import VectorStoreClient, json_response, list_json, page_request
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
@@ -53,7 +54,7 @@ async def _parse_form(request: Request) -> FormData:
                        code="client_disconnected") from None
 
 
-def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]:
+def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Route]:
     """The ``/v1/files`` routes; pass the same ``client`` as to ``vector_stores.routes`` to share one channel."""
     vs = client or VectorStoreClient(gateway)
 

@@ -6,20 +6,18 @@ key (with keys configured), so the gateway holds no privilege of its own. A load
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import bad_request, from_grpc
 from embedmesh.inference.v1 import inference_pb2
 
-if TYPE_CHECKING:
-    from embedmesh.gateway.app import Gateway
-
-__all__ = ["lora_routes"]
+__all__ = ["routes"]
 
 _TIMEOUT_S = 600.0
 
@@ -39,7 +37,7 @@ def _only(body: dict[str, Any], known: set[str]) -> None:
             raise bad_request(name, "is not a parameter of this route", "unknown_parameter")
 
 
-def lora_routes(gw: Gateway) -> list[Route]:
+def routes(gw: Gateway) -> list[Route]:
     async def load(request: Request) -> Response:
         body = await gw.read_json(request)
         _only(body, {"lora_name", "lora_path", "workers", "load_inplace"})

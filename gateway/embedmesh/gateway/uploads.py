@@ -22,7 +22,6 @@ expired id is a 404 naming the field.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import orjson
@@ -32,17 +31,18 @@ from starlette.routing import Route
 
 from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.tensors import DTYPE_NAMES
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.translate import decode_base64
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["upload_routes"]
+__all__ = ["routes"]
 
 _CHUNK = 1 << 20
 _UINT32_MAX = (1 << 32) - 1
 
 
-def upload_routes(gateway: Any) -> list[Route]:
+def routes(gateway: Gateway) -> list[Route]:
     def stub() -> cache_pb2_grpc.EncoderCacheServiceStub:
         return cache_pb2_grpc.EncoderCacheServiceStub(gateway.channel)
 

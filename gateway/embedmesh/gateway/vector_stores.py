@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.gateway.auth import forwarding_channel
+from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.services.vector_store.filters import check_json_limits
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
@@ -246,7 +247,7 @@ def json_response(obj: Any) -> Response:
 
 
 # --- routes -------------------------------------------------------------------------------------------------------
-def routes(gateway: Any, client: VectorStoreClient | None = None) -> list[Route]:
+def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Route]:
     """The ``/v1/vector_stores…`` routes. ``gateway`` is app.py's ``Gateway`` (its ``config.vector_store`` address
     and ``read_json``)."""
     vs = client or VectorStoreClient(gateway)

@@ -1,0 +1,76 @@
+"""The gateway's context: what every route module needs (the config, the channel to the preprocessor and its
+stubs, body reading). Its own module so route modules import it for their types and ``app.py`` imports the route
+modules, with no cycle between them. Every route module exposes ``routes(gw: Gateway) -> list[Route]``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import orjson
+from grpc_health.v1 import health_pb2_grpc
+from starlette.requests import ClientDisconnect, Request
+
+from embedmesh.gateway import embeds_json
+from embedmesh.gateway.auth import forwarding_channel
+from embedmesh.gateway.config import GatewayConfig
+from embedmesh.gateway.errors import ApiError
+from embedmesh.gateway.translate import require_object
+from embedmesh.inference.v1 import inference_pb2_grpc
+
+__all__ = ["Gateway", "too_large"]
+
+
+class Gateway:
+    """What every route module needs: the config, the channel to the preprocessor and its stubs, body reading.
+
+    The channel exists between the app's startup and shutdown (``open``/``close`` run in its lifespan).
+    """
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.channel: grpc.aio.Channel = None  # type: ignore[assignment]  # set by open()
+        self.stub: inference_pb2_grpc.InferenceServiceStub = None  # type: ignore[assignment]
+        self.health: health_pb2_grpc.HealthStub = None  # type: ignore[assignment]
+
+    async def open(self) -> None:
+        self.channel = forwarding_channel(self.config.preprocessor)
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def read_json(self, request: Request, base64_slots: embeds_json.Slots | None = None) -> dict[str, Any]:
+        """The body as a JSON object; 413 past ``max_body_bytes`` (checked while reading, not after), 400 if not
+        a JSON object. With ``base64_slots``, long base64 strings there come already decoded (``embeds_json``)."""
+        limit = self.config.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the connection while sending the body",
+                           code="client_disconnected") from None
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        if base64_slots is not None:
+            body = embeds_json.loads(raw, base64_slots)
+            if body is not None:
+                return require_object(body)
+        try:
+            return require_object(orjson.loads(raw))
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is over the {limit} byte limit", code="body_too_large")
