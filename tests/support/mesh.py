@@ -82,6 +82,33 @@ def _metrics_base(workers: int) -> int:
     raise RuntimeError("no free block of metrics ports below 32000")
 
 
+def _listen_ports(count: int, workers: int) -> tuple[list[int], list[int]]:
+    """``count`` service ports and a run of ``workers`` consecutive worker ports (the launcher numbers workers from
+    ``--worker-port`` up), all distinct, free now and below Linux's ephemeral range (so no client connection can take
+    one between this check and the bind). They sit in the upper half of each hundred (``_metrics_base`` uses the
+    lower half: base + 1 .. base + 10 + workers)."""
+    if workers > 49:
+        raise ValueError("at most 49 workers")
+    taken: set[int] = set()
+    for _ in range(500):
+        first = random.randrange(100, 320) * 100 + 50 + random.randrange(0, 50 - workers)
+        run = list(range(first, first + workers))
+        if all(port_bindable(q) for q in run):
+            taken.update(run)
+            break
+    else:
+        raise RuntimeError("no free run of worker ports below 32000")
+    ports: list[int] = []
+    for _ in range(5000):
+        if len(ports) == count:
+            return ports, run
+        q = random.randrange(100, 320) * 100 + random.randrange(50, 100)
+        if q not in taken and port_bindable(q):
+            taken.add(q)
+            ports.append(q)
+    raise RuntimeError("no free service ports below 32000")
+
+
 def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
     env: dict[str, str] | None = None, extra_args: list[str] | None = None, tls: bool = False,
@@ -91,13 +118,12 @@ def start_mesh(
     mesh with mutual TLS (the launcher's ``--tls``); the CA and certificates are in ``mesh.extra["tls_dir"]``
     (``client.pem`` / ``client-key.pem`` hold a mesh client certificate). ``gateway_tls=True`` (with ``tls``)
     serves the REST API over HTTPS too."""
-    gw, pre, router, embed, vs = free_port(), free_port(), free_port(), free_port(), free_port()
+    (gw, pre, router, embed, vs), ports = _listen_ports(5, workers)
     import tempfile
 
     vs_dir = tempfile.mkdtemp(prefix="embedmesh-vs-")
     tls_dir = tempfile.mkdtemp(prefix="embedmesh-tls-") if tls or gateway_tls else ""
-    first = free_port()
-    ports = [first + i for i in range(workers)]
+    first = ports[0]
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
     log = open(log_path, "wb")
     metrics_base = _metrics_base(workers)
