@@ -195,19 +195,15 @@ def split_generate_request(raw: bytes) -> WireRequest | None:
                 if f[0] != _EMBEDS:
                     seg_parts.append(buf[f[2]:f[4]])
                     continue
-                tensor = _fields(buf, f[3], f[4])
-                data = [t for t in tensor if t[0] == _DATA]
-                if len(data) > 1 or (data and data[0][1] != _LEN):
+                cut = _cut_tensor(buf, f, _EMBEDS, views, f"segments[{index}].embeds")
+                if cut is None:
                     return None
-                kept = b"".join(buf[t[2]:t[4]] for t in tensor if t[0] != _DATA)
-                if data:
-                    views[f"segments[{index}].embeds"] = buf[data[0][3]:data[0][4]]
-                seg_parts.append(_key(_EMBEDS) + varint(len(kept)) + kept)
+                seg_parts.append(cut)
             inner = b"".join(seg_parts)
             parts.append(_key(_SEGMENTS) + varint(len(inner)) + inner)
             index += 1
         message = worker_pb2.GenerateRequest.FromString(b"".join(parts))
-    except (_Malformed, Exception):  # noqa: BLE001 - anything odd: the ordinary parser decides
+    except Exception:  # noqa: BLE001 - anything odd (_Malformed included): the ordinary parser decides
         return None
     return WireRequest(message, views)
 
@@ -272,25 +268,21 @@ def split_complete_request(raw: bytes, cls: Any) -> WireRequest | None:
     return WireRequest(message, views)
 
 
-def _completion_parser(cls: Any) -> Any:
+def _parser(cls: Any, split: Any) -> Any:
+    """A request deserializer for ``cls``: a ``WireRequest`` from ``split`` for requests big enough to carry tensors
+    (their bytes are not copied out of the received buffer), the plain message otherwise."""
     def parse(raw: bytes) -> Any:
         if len(raw) >= _ZERO_COPY_MIN:
-            split = split_complete_request(raw, cls)
-            if split is not None:
-                return split
+            out = split(raw)
+            if out is not None:
+                return out
         return cls.FromString(raw)
 
     return parse
 
 
-def parse_generate_request(raw: bytes) -> Any:
-    """``WorkerService.Generate``'s request deserializer: a ``WireRequest`` for requests with big tensors (their
-    rows are not copied out of the received bytes), the plain message otherwise."""
-    if len(raw) >= _ZERO_COPY_MIN:
-        split = split_generate_request(raw)
-        if split is not None:
-            return split
-    return worker_pb2.GenerateRequest.FromString(raw)
+parse_generate_request = _parser(worker_pb2.GenerateRequest, split_generate_request)
+"""``WorkerService.Generate``'s request deserializer."""
 
 
 _ZERO_COPY_MIN = 4096
@@ -298,8 +290,10 @@ _ZERO_COPY_MIN = 4096
 
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
-    "/embedmesh.inference.v1.InferenceService/Complete": _completion_parser(inference_pb2.CompleteRequest),
-    "/embedmesh.inference.v1.InferenceService/StreamComplete": _completion_parser(
-        inference_pb2.StreamCompleteRequest),
+    "/embedmesh.inference.v1.InferenceService/Complete": _parser(
+        inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
+    "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(
+        inference_pb2.StreamCompleteRequest,
+        lambda raw: split_complete_request(raw, inference_pb2.StreamCompleteRequest)),
 }
 """Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
