@@ -161,21 +161,26 @@ async def _compute(pool: WorkerPool, cache: TieredCache, inflight: _Inflight, mo
     inflight.update(futures)
     try:
         chunks = [todo[s:s + INPUTS_PER_CALL] for s in range(0, len(todo), INPUTS_PER_CALL)]
-        results = await asyncio.gather(
-            *(_call(pool, model, inputs, chunk, dimensions, n_inputs, timeout) for chunk in chunks),
-            return_exceptions=True,
-        )
+        results: list[tuple[np.ndarray, list[int]] | BaseException]
+        if len(chunks) == 1:  # the usual case: called here, no task to gather
+            results = [await _call(pool, model, inputs, chunks[0], dimensions, n_inputs, timeout)]
+        else:
+            results = await asyncio.gather(
+                *(_call(pool, model, inputs, chunk, dimensions, n_inputs, timeout) for chunk in chunks),
+                return_exceptions=True,
+            )
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             raise error
         for chunk, result in zip(chunks, results, strict=True):
             assert not isinstance(result, BaseException)
             vectors, counts = result
+            # Each entry is the vector with the input's token count appended, in an array of its own.
+            packed = np.empty((len(chunk), vectors.shape[1] + 1), np.float32)
+            packed[:, :-1] = vectors
+            packed[:, -1] = counts
             for j, i in enumerate(chunk):
-                packed = np.empty(vectors.shape[1] + 1, np.float32)
-                packed[:-1] = vectors[j]
-                packed[-1] = counts[j]
-                value = CachedTensor(packed, tensor_pb2.DATA_TYPE_FP32)
+                value = CachedTensor(packed[j].copy(), tensor_pb2.DATA_TYPE_FP32)
                 values[keys[i]] = value
                 await cache.put(keys[i], value)
                 futures[keys[i]].set_result(value)

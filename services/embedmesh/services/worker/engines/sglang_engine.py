@@ -6,9 +6,12 @@ Two tasks, one per worker:
   radix cache on, a repeated input is served from cached prefix states and comes back as a wrong vector), a bounded
   ``max_total_tokens`` (SGLang otherwise sizes its KV pool from free memory). Inputs are tokenized and checked here
   with the shared rules of ``hf_embed`` (so errors and token counts match the hf worker) and sent to SGLang as
-  ``input_ids``; SGLang's scheduler batches concurrent requests itself. Note: SGLang pools BERT models with the
-  [CLS] token and L2-normalises (``sglang/srt/models/bert.py``), whereas all-MiniLM-L6-v2 was trained with mean
-  pooling: its vectors are close to, but not equal to, the hf worker's (the sglang e2e test measures the cosine).
+  ``input_ids`` (so SGLang runs without a tokenizer, ``skip_tokenizer_init``, and answers without the detokenizer
+  hop); SGLang's scheduler batches concurrent requests itself and sleeps while idle (``sleep_on_idle``: by default it
+  busy-polls a whole core, which on a small CPU host starves the mesh and its own OpenMP threads). Note: SGLang
+  pools BERT models with the [CLS] token and L2-normalises (``sglang/srt/models/bert.py``), whereas
+  all-MiniLM-L6-v2 was trained with mean pooling: its vectors are close to, but not equal to, the hf worker's (the
+  sglang e2e test measures the cosine).
 - ``generate`` (GPU deployments; not runnable on this CPU): requests become ``GenerateReqInput`` objects — token-only
   prompts as ``input_ids``, prompts with embeddings as ``input_embeds`` for the whole prompt (token segments are
   looked up in the model's input embedding table, so mixed prompts work) — streamed with
@@ -135,6 +138,14 @@ def engine_kwargs(config: SGLangConfig, context_length: int | None) -> dict[str,
         kw["context_length"] = context_length
     if config.task == "embed":
         kw["is_embedding"] = True
+        # Idle, SGLang's scheduler polls its sockets in a busy loop: a whole core, all the time. On a small CPU host
+        # that core is taken from the mesh's other processes and from any other engine's OpenMP threads (an idle
+        # engine beside a working one cut the working one's rate ~3.5x on 2 cores). sleep_on_idle blocks it in zmq
+        # poll instead; the request itself wakes it.
+        kw["sleep_on_idle"] = True
+        # Inputs reach SGLang as checked token ids (see ``SGLangEngine.embed``), so it needs no tokenizer, and its
+        # scheduler then sends results straight back to us instead of through the detokenizer process.
+        kw["skip_tokenizer_init"] = True
     else:
         kw["incremental_streaming_output"] = True  # each streamed chunk carries only its new tokens
     if config.enable_lora:
@@ -367,10 +378,16 @@ class SGLangEngine(Engine):
         from sglang.srt.managers.io_struct import EmbeddingReqInput
 
         rid = uuid.uuid4().hex
-        obj = EmbeddingReqInput(input_ids=ids, rid=[f"{rid}-{i}" for i in range(len(ids))])
+        if len(ids) == 1:  # SGLang's single-request path: no per-input tasks to gather
+            obj = EmbeddingReqInput(input_ids=ids[0], rid=rid)
+        else:
+            obj = EmbeddingReqInput(input_ids=ids, rid=[f"{rid}-{i}" for i in range(len(ids))])
         self._running.add(rid)
         try:
-            out = await self._manager().generate_request(obj, None).__anext__()
+            results = self._manager().generate_request(obj, None)
+            out = await results.__anext__()
+            async for _ in results:  # nothing more comes (not streamed): let the generator end now rather than have
+                pass  # the event loop's async-generator finalizer close it later
         finally:
             self._running.discard(rid)
         rows = out if isinstance(out, list) else [out]
