@@ -7,8 +7,9 @@ adding one breaks no engine.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -17,6 +18,7 @@ import numpy as np
 from embedmesh.core.sampling import SamplingParams
 
 __all__ = [
+    "load_once",
     "FinishReason",
     "SamplingParams",
     "TokenSegment",
@@ -228,3 +230,25 @@ class Engine(ABC):
         """Pooled, normalised float32 vectors (one row per input, in order) and each input's token count.
         Embedding engines only."""
         raise NotImplementedError
+
+
+async def load_once(loading: dict[str, asyncio.Future[bool]], name: str, load: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``load`` for ``name`` unless a load of that name is already running: then wait for it and return False
+    (its error, if it fails, reaches every caller). True when this call loaded. The engines' ``load_lora`` use it,
+    so concurrent loads of one adapter load it once."""
+    pending = loading.get(name)
+    if pending is not None:
+        await asyncio.shield(pending)
+        return False
+    future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    loading[name] = future
+    try:
+        await load()
+        future.set_result(True)
+        return True
+    except BaseException as e:
+        future.set_exception(e)
+        future.exception()  # retrieved: concurrent waiters re-raise it, nobody else needs to
+        raise
+    finally:
+        loading.pop(name, None)

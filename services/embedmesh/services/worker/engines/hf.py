@@ -52,6 +52,7 @@ from embedmesh.services.worker.engines.base import (
     ModelInfo,
     TokenLogprob,
     TokenSegment,
+    load_once,
 )
 from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
 from embedmesh.services.worker.validate import check_generation
@@ -433,28 +434,17 @@ class HFEngine(Engine):
         adapter of this model is refused naming ``path``, and nothing of it stays loaded."""
         if name in self._loras:
             return False
-        pending = self._lora_loading.get(name)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return False
-        from pathlib import Path as _Path
 
-        if not (_Path(path) / "adapter_config.json").is_file():
-            raise InvalidArgument(f"path: no adapter_config.json in {path!r}: not a peft adapter folder",
-                                  field="path", reason="NOT_AN_ADAPTER")
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._lora_loading[name] = future
-        try:
+        async def load() -> None:
+            from pathlib import Path as _Path
+
+            if not (_Path(path) / "adapter_config.json").is_file():
+                raise InvalidArgument(f"path: no adapter_config.json in {path!r}: not a peft adapter folder",
+                                      field="path", reason="NOT_AN_ADAPTER")
             await asyncio.to_thread(self._load_adapter, name, path)
             self._loras[name] = path
-            future.set_result(True)
-            return True
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
-            raise
-        finally:
-            self._lora_loading.pop(name, None)
+
+        return await load_once(self._lora_loading, name, load)
 
     def _load_adapter(self, name: str, path: str) -> None:
         with self._model_lock:

@@ -57,6 +57,7 @@ from embedmesh.services.worker.engines.base import (
     Segment,
     TokenLogprob,
     TokenSegment,
+    load_once,
 )
 from embedmesh.services.worker.engines.hf_embed import InputEncoder, check_dimensions, read_pooling_spec, shorten
 
@@ -438,15 +439,10 @@ class SGLangEngine(Engine):
                                      "workers only)", reason="LORA_DISABLED")
         if name in self._loras:
             return False
-        pending = self._lora_loading.get(name)
-        if pending is not None:  # the same name loading concurrently: load once
-            await asyncio.shield(pending)
-            return False
-        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
 
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._lora_loading[name] = future
-        try:
+        async def load() -> None:
+            from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+
             out = await self._manager().load_lora_adapter(LoadLoRAAdapterReqInput(lora_name=name, lora_path=path),
                                                           None)
             if not getattr(out, "success", False):
@@ -454,14 +450,8 @@ class SGLangEngine(Engine):
                                       f"{getattr(out, 'error_message', '') or 'unknown error'}", field="path",
                                       reason="ADAPTER_INVALID")
             self._loras[name] = path
-            future.set_result(True)
-            return True
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: concurrent waiters re-raise it, nobody else needs to
-            raise
-        finally:
-            del self._lora_loading[name]
+
+        return await load_once(self._lora_loading, name, load)
 
     async def unload_lora(self, name: str) -> bool:
         if name not in self._loras:

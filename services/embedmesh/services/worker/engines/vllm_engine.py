@@ -43,6 +43,7 @@ from embedmesh.services.worker.engines.base import (
     ModelInfo,
     TokenLogprob,
     TokenSegment,
+    load_once,
 )
 from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
 from embedmesh.services.worker.engines.vllm_metrics import MetricsRecorder, VLLMEngineMetrics
@@ -392,30 +393,20 @@ class VLLMEngine(Engine):
                                      field="name", reason="LORA_DISABLED")
         if name in self._loras:
             return False
-        pending = self._lora_loading.get(name)
-        if pending is not None:
-            await asyncio.shield(pending)
-            return False
-        if not (Path(path) / "adapter_config.json").exists():
-            raise InvalidArgument(f"path: no adapter_config.json in {path!r}", field="path", reason="NOT_AN_ADAPTER")
-        from vllm.lora.request import LoRARequest
 
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._lora_loading[name] = future
-        try:
+        async def load() -> None:
+            if not (Path(path) / "adapter_config.json").exists():
+                raise InvalidArgument(f"path: no adapter_config.json in {path!r}", field="path",
+                                      reason="NOT_AN_ADAPTER")
+            from vllm.lora.request import LoRARequest
+
             lid = self._next_lora_id
             self._next_lora_id += 1
             await self._engine.add_lora(LoRARequest(name, lid, path))
             self._loras[name] = (lid, path)
             self.lora_loads = getattr(self, "lora_loads", 0) + 1
-            future.set_result(True)
-            return True
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()
-            raise
-        finally:
-            del self._lora_loading[name]
+
+        return await load_once(self._lora_loading, name, load)
 
     async def unload_lora(self, name: str) -> bool:
         if name not in self._loras:
