@@ -16,6 +16,7 @@ import pytest
 
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of
+from tests.support.lora import save_other_base_adapter, save_smol_adapter
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -25,26 +26,10 @@ TEXT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def lora_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from embedmesh.models import ensure_default_model
-
     root = tmp_path_factory.mktemp("lora-root")
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model())
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    model.save_pretrained(str(root / "smol-lora"))
+    save_smol_adapter(root / "smol-lora")
     (root / "not-an-adapter").mkdir()
-    # An adapter made for another base model (a tiny Llama of hidden size 64): its shapes cannot fit SmolLM2.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=49152))
-    get_peft_model(tiny, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(
-        str(root / "other-base-lora"))
+    save_other_base_adapter(root / "other-base-lora")  # shapes that cannot fit SmolLM2
     return root
 
 

@@ -19,6 +19,7 @@ import pytest
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL
+from tests.support.lora import save_smol_adapter
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -30,18 +31,8 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 @pytest.fixture(scope="module")
 def lora_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from embedmesh.models import ensure_default_model
-
     root = tmp_path_factory.mktemp("lora-root")
-    torch.manual_seed(1)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model())
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    model.save_pretrained(str(root / "route-lora"))
+    save_smol_adapter(root / "route-lora", seed=1)
     return root
 
 

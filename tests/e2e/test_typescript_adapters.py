@@ -19,6 +19,7 @@ from embedmesh_client.errors import EmbedmeshClientError
 
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.e2e.conftest import HIDDEN, MODEL
+from tests.support.lora import save_smol_adapter
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -32,18 +33,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def lora_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from embedmesh.models import ensure_default_model
-
     root = tmp_path_factory.mktemp("ts-lora-root")
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model())
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    model.save_pretrained(str(root / "smol-lora"))
+    save_smol_adapter(root / "smol-lora")
     return root
 
 

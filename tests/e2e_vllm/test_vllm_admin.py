@@ -22,6 +22,7 @@ from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of, embeds_of, hf_model  # noqa: F401 - fixtures
 from tests.e2e_vllm.test_vllm_mesh import TEXT, VENV
+from tests.support.lora import save_smol_adapter
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -42,18 +43,8 @@ def lmesh() -> Iterator[Mesh]:
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real LoRA adapter for SmolLM2, made here with peft (random, non-zero B so it changes the output)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from embedmesh.models import ensure_default_model
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model())
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
     out = tmp_path_factory.mktemp("lora") / "smol-lora"
-    model.save_pretrained(str(out))
+    save_smol_adapter(out)
     return out
 
 

@@ -15,6 +15,7 @@ import pytest
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams
 from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
+from tests.support.lora import save_other_base_adapter, save_smol_adapter
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -23,18 +24,8 @@ PROMPT = (504, 3458, 282, 4649, 314)
 
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from embedmesh.models import ensure_default_model
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model())
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
     out = tmp_path_factory.mktemp("lora") / "smol-lora"
-    model.save_pretrained(str(out))
+    save_smol_adapter(out)
     return out
 
 
@@ -133,15 +124,10 @@ async def test_adapters_load_again_after_all_were_unloaded(engine: Any, adapter:
 async def test_a_mismatched_first_adapter_leaves_the_plain_model_untouched(adapter: Path, tmp_path: Path) -> None:
     """On a fresh engine (no adapter ever loaded) an adapter made for another base model is refused naming
     ``path``; the base model's tokens are unchanged and a good adapter then loads and matches peft."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from embedmesh.models import ensure_default_model
     from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
 
-    tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=49152))
-    get_peft_model(tiny, LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).save_pretrained(str(tmp_path / "o"))
+    save_other_base_adapter(tmp_path / "o")
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))
     await e.start()
     try:
