@@ -38,11 +38,11 @@ from typing import Any
 
 import blake3
 import numpy as np
-from prometheus_client import Counter
 
 from embedmesh.core.logs import get_logger
 from embedmesh.core.tensors import DTYPE_NAMES, MAX_RANK, element_size, numpy_dtype
 from embedmesh.services.encoder_cache.lru import TierCounters
+from embedmesh.services.encoder_cache.metrics import L2_CORRUPTED, L2_REJECTED
 from embedmesh.services.encoder_cache.resp import DISCARD, FILLED, RespPool, plain_params
 
 __all__ = ["RedisTier", "RedisCounters", "integrity_key", "CHUNK_BYTES"]
@@ -64,10 +64,6 @@ _MIN_BYTES_PER_SECOND = 50e6
 """A call moving n bytes may take ``timeout_seconds + n / this`` before Redis counts as hung."""
 _KDF_CONTEXT = "embedmesh 2025 encoder-cache L2 entry integrity v1"
 
-L2_REJECTED = Counter("embedmesh_encoder_cache_l2_rejected_total",
-                      "L2 commands Redis refused while reachable (e.g. OOM at maxmemory)", ["op"])
-L2_CORRUPTED = Counter("embedmesh_encoder_cache_l2_corrupted_total",
-                       "L2 values dropped because their header, length or integrity digest was wrong")
 
 
 @dataclass

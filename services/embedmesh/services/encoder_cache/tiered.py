@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import Counter
 
 from embedmesh.core.logs import get_logger
 from embedmesh.services.encoder_cache.lru import ByteLRU
+from embedmesh.services.encoder_cache.metrics import L2_DOWN, LOOKUPS
 from embedmesh.services.encoder_cache.redis_tier import RedisTier
 from embedmesh.services.encoder_cache.size_rule import SizeRule
 
@@ -46,8 +46,6 @@ def _env_max_ttl() -> int:
         raise ValueError(f"EMBEDMESH_CACHE_MAX_TTL_SECONDS: must be >= 1, got {value}")
     return value
 
-LOOKUPS = Counter("embedmesh_encoder_cache_lookups_total", "Cache lookups by tier and result", ["tier", "result"])
-L2_DOWN = Counter("embedmesh_encoder_cache_l2_unavailable_total", "L2 operations skipped because Redis was away")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2_grpc
 from embedmesh.services.router.config import RouterConfig
+from embedmesh.services.router.metrics import DROPS
 from embedmesh.services.router.policy import KvRouter
 from embedmesh.services.router.registry import Registry
-from embedmesh.services.router.servicer import DROPS, SERVICE_NAME, RouterServicer, update_gauges
+from embedmesh.services.router.servicer import SERVICE_NAME, RouterServicer, update_gauges
 
 __all__ = ["build", "sweep_forever", "serve", "main"]
 

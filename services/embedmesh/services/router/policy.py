@@ -11,11 +11,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Histogram
-
 from embedmesh.core.block_hash import ROOT
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
+from embedmesh.services.router.metrics import DECISIONS, MATCHED_BLOCKS, OVERLAP
 from embedmesh.services.router.registry import Registry
 from embedmesh.services.router.scoring import Scored, Weights, choose, score
 
@@ -23,12 +22,6 @@ __all__ = ["Decision", "KvRouter", "LOGGED_CANDIDATES"]
 
 log = get_logger("embedmesh.router.decisions")
 
-DECISIONS = Counter("embedmesh_router_decisions_total",
-                    "Route decisions by model and whether the chosen worker held any prefix block", ["model", "hit"])
-OVERLAP = Histogram("embedmesh_router_overlap_ratio", "Cached prefix blocks / prompt blocks of the chosen worker",
-                    ["model"], buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0))
-MATCHED_BLOCKS = Counter("embedmesh_router_prefix_blocks_total",
-                         "Prompt blocks routed, and how many the chosen worker already held", ["model", "kind"])
 
 LOGGED_CANDIDATES = 4
 """Candidates (cheapest first) whose cost goes into the decision's log line."""

@@ -16,19 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Counter
 
 from embedmesh.core.errors import from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
+from embedmesh.services.router.metrics import FALLBACKS
 
 __all__ = ["RouteClient", "RouteDecision", "CandidateCost", "FALLBACKS"]
 
 log = get_logger(__name__)
 
-FALLBACKS = Counter("embedmesh_router_fallback_total", "Requests routed round robin because no router answered",
-                    ["reason"])
 
 
 @dataclass(frozen=True)

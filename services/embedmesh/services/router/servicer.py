@@ -19,11 +19,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from prometheus_client import Counter, Gauge
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.logs import get_logger
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
+from embedmesh.services.router.metrics import DROPS, EVENTS, INDEX_BLOCKS, RESYNCS, WORKERS
 from embedmesh.services.router.policy import KvRouter
 from embedmesh.services.router.registry import (
     BatchOutcome,
@@ -42,12 +42,6 @@ SERVICE_NAME = "embedmesh.router.v1.RouterService"
 
 log = get_logger(__name__)
 
-RESYNCS = Counter("embedmesh_router_resyncs_total", "Re-syncs asked of workers after an event-id gap")
-EVENTS = Counter("embedmesh_router_kv_events_total", "KV events applied to the index, by kind", ["kind"])
-WORKERS = Gauge("embedmesh_router_workers", "Live registered workers")
-INDEX_BLOCKS = Gauge("embedmesh_router_index_blocks", "Indexed blocks: distinct nodes and (worker, block) pairs",
-                     ["kind"])
-DROPS = Counter("embedmesh_router_worker_drops_total", "Workers dropped from routing, by cause", ["cause"])
 
 
 def update_gauges(registry: Registry) -> None:

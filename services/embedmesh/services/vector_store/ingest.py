@@ -19,7 +19,6 @@ import asyncio
 import time
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
 
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
@@ -27,19 +26,13 @@ from embedmesh.services.vector_store.chunking import TokenCounter, chunk_text
 from embedmesh.services.vector_store.embedder import Embedder
 from embedmesh.services.vector_store.files import decode_text
 from embedmesh.services.vector_store.index.base import VectorIndex
+from embedmesh.services.vector_store.metrics import CHUNKS_INDEXED, FILES_INGESTED, IN_PROGRESS, INGESTION_SECONDS
 from embedmesh.services.vector_store.store import MetadataStore, PendingFile
 
 __all__ = ["Ingestor"]
 
 log = get_logger(__name__)
 
-FILES_INGESTED = Counter("embedmesh_vector_store_files_ingested_total",
-                         "Store-file ingestions ended, by outcome (completed, failed, cancelled)", ["status"])
-INGESTION_SECONDS = Histogram("embedmesh_vector_store_ingestion_duration_seconds",
-                              "Chunk + embed + commit time of one file (completed or failed)",
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
-CHUNKS_INDEXED = Counter("embedmesh_vector_store_chunks_indexed_total", "Chunks embedded and committed to a store")
-IN_PROGRESS = Gauge("embedmesh_vector_store_ingestions_in_progress", "Store-file ingestions queued or running")
 
 
 class Ingestor:
