@@ -25,8 +25,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-__all__ = ["ROOT", "block_hashes", "segment_block_hashes", "hash_token_blocks", "token_block_hashes",
-           "adapter_block_hashes"]
+__all__ = ["ROOT", "block_hashes", "hash_token_blocks", "adapter_block_hashes"]
 
 ROOT = 0
 """Parent of a prompt's first block; never the hash of a block."""
@@ -120,11 +119,6 @@ def block_hashes(pieces: Iterable[Any], block_size: int) -> list[int]:
     return out
 
 
-def segment_block_hashes(segments: Iterable[Any], block_size: int) -> list[int]:
-    """``block_hashes`` for a list of ``TokenSegment`` / ``EmbedsSegment`` (the name says what callers pass)."""
-    return block_hashes(segments, block_size)
-
-
 def hash_token_blocks(ids: Sequence[int], block_size: int) -> list[int]:
     """Fast path for a text-only prompt; equal to ``block_hashes([ids], block_size)``.
 
@@ -145,10 +139,6 @@ def hash_token_blocks(ids: Sequence[int], block_size: int) -> list[int]:
         parent = (int.from_bytes(digest, "little") & _MASK) or 1
         out.append(parent)
     return out
-
-
-token_block_hashes = hash_token_blocks
-"""The older name of ``hash_token_blocks``, kept for existing callers."""
 
 
 def adapter_block_hashes(hashes: list[int], adapter: str) -> list[int]:
