@@ -36,7 +36,7 @@ from embedmesh.services.vector_store.db import Database  # noqa: E402
 from embedmesh.services.vector_store.embedder import Embedder  # noqa: E402
 from embedmesh.services.vector_store.filters import Comparison  # noqa: E402
 from embedmesh.services.vector_store.index.base import VectorIndex  # noqa: E402
-from embedmesh.services.vector_store.models import AUTO_CHUNKING  # noqa: E402
+from embedmesh.services.vector_store.objects import AUTO_CHUNKING  # noqa: E402
 from embedmesh.services.vector_store.store import MetadataStore, vector_literal  # noqa: E402
 from embedmesh.services.vector_store.vector_stores import VectorStores  # noqa: E402
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.vector_store.models import ChunkingSpec
+from embedmesh.services.vector_store.objects import ChunkingSpec
 
 __all__ = ["Chunk", "TokenCounter", "ApproxTokenizer", "HFTokenizer", "load_tokenizer", "chunk_text",
            "check_chunking", "MIN_CHUNK_TOKENS", "MAX_CHUNK_TOKENS"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.vector_store.models import Attributes, AttributeValue
+from embedmesh.services.vector_store.objects import Attributes, AttributeValue
 
 __all__ = ["Comparison", "Compound", "Filter", "validate", "evaluate", "to_sql", "COMPARISON_OPS", "COMPOUND_OPS",
            "MAX_DEPTH", "MAX_NODES", "check_attributes", "check_json_limits"]

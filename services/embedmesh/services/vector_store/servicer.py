@@ -11,7 +11,7 @@ import numpy as np
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.vector_store.filters import Comparison, Compound, Filter
-from embedmesh.services.vector_store.models import (
+from embedmesh.services.vector_store.objects import (
     AUTO_CHUNKING,
     Attributes,
     ChunkingSpec,

@@ -29,7 +29,7 @@ import numpy as np
 from embedmesh.core.errors import InvalidArgument, NotFound
 from embedmesh.services.vector_store.chunking import Chunk
 from embedmesh.services.vector_store.db import Database
-from embedmesh.services.vector_store.models import (
+from embedmesh.services.vector_store.objects import (
     Attributes,
     ChunkingSpec,
     ExpiresAfter,

@@ -29,7 +29,7 @@ from embedmesh.services.vector_store.files import check_purpose, decode_text, de
 from embedmesh.services.vector_store.filters import Filter, check_attributes, evaluate, validate
 from embedmesh.services.vector_store.index.base import VectorIndex
 from embedmesh.services.vector_store.ingest import Ingestor
-from embedmesh.services.vector_store.models import (
+from embedmesh.services.vector_store.objects import (
     AUTO_CHUNKING,
     Attributes,
     ChunkingSpec,

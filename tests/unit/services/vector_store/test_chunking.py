@@ -6,7 +6,7 @@ import pytest
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.vector_store.chunking import ApproxTokenizer, check_chunking, chunk_text, load_tokenizer
-from embedmesh.services.vector_store.models import AUTO_CHUNKING, ChunkingSpec
+from embedmesh.services.vector_store.objects import AUTO_CHUNKING, ChunkingSpec
 
 WORDS = [f"w{i}" for i in range(1000)]
 TEXT = " ".join(WORDS)

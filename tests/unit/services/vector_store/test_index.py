@@ -15,7 +15,7 @@ from embedmesh.services.vector_store.chunking import Chunk
 from embedmesh.services.vector_store.db import Database
 from embedmesh.services.vector_store.filters import Comparison
 from embedmesh.services.vector_store.index.base import VectorIndex
-from embedmesh.services.vector_store.models import AUTO_CHUNKING
+from embedmesh.services.vector_store.objects import AUTO_CHUNKING
 from embedmesh.services.vector_store.store import MetadataStore
 
 DIM = 64

@@ -16,7 +16,7 @@ import pytest
 from embedmesh.core.errors import InvalidArgument, NotFound
 from embedmesh.services.vector_store.chunking import Chunk
 from embedmesh.services.vector_store.db import Database
-from embedmesh.services.vector_store.models import AUTO_CHUNKING, PageRequest
+from embedmesh.services.vector_store.objects import AUTO_CHUNKING, PageRequest
 from embedmesh.services.vector_store.store import MetadataStore
 
 A, B = "tenant-a", "tenant-b"
