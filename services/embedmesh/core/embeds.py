@@ -4,7 +4,7 @@ Rules, each an InvalidArgument naming the field and the rule (reason in parenthe
 - 2-D ``(N, hidden)`` or 3-D ``(1, N, hidden)`` (BAD_RANK, BATCH_NOT_ONE)
 - ``hidden`` equals the model's hidden size (HIDDEN_SIZE_MISMATCH)
 - floating dtype only; integers, bool and complex are refused by name (UNSUPPORTED_DTYPE)
-- N >= 1 (EMPTY_EMBEDS) and N + max_tokens <= the model's context (CONTEXT_OVERFLOW)
+- N >= 1 (EMPTY_EMBEDS) and N + max_tokens <= the model's context (CONTEXT_OVERFLOW, ``core.context``)
 - no NaN or Inf, checked on the values cast to the model dtype, so a float64 1e300 that overflows float32 is
   caught too (NON_FINITE); casts round as torch's ``.to(dtype)`` does, bf16 included
 - decoded size at most the configured cap (TOO_LARGE, checked before allocation by the codec)
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embedmesh.core import tensors
+from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
 from embedmesh.tensor.v1 import tensor_pb2
@@ -78,12 +79,7 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
     if rows < 1:
         raise InvalidArgument(f"{field}: the tensor has zero rows; at least one is required", field=field,
                               reason="EMPTY_EMBEDS")
-    if rows + max_tokens > spec.max_context_tokens:
-        raise InvalidArgument(
-            f"{field}: {rows} rows + max_tokens {max_tokens} exceed the model's context of "
-            f"{spec.max_context_tokens} positions",
-            field=field, reason="CONTEXT_OVERFLOW",
-        )
+    check_context(rows, max_tokens, spec.max_context_tokens, field=field, wording=ROWS)
     out = _cast(arr, dtype, spec.dtype)
     # NaN and Inf survive every cast, and overflow (float64 1e300 -> float32) turns into Inf: one scan of the
     # output covers both. The input is scanned again only to word the error.

@@ -46,7 +46,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.tensors import BF16_STORAGE, check_shape, format_dims
+from embedmesh.core.tensors import DTYPES, check_shape, format_dims
 from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["decode_tensor_bytes", "decode_torch_save", "decode_safetensors", "format_bytes", "check_cap"]
@@ -61,33 +61,12 @@ _MAX_SAFETENSORS_HEADER = 1 << 20
 _MAX_STRIDE = (1 << 63) - 1
 """torch strides are int64."""
 
-# torch storage class -> (numpy dtype, DataType). These are the dtypes torch.save writes with _rebuild_tensor_v2;
-# newer ones (float8, uint16/32/64, complex32) go through _rebuild_tensor_v3, which is refused as a dtype.
-_STORAGES: dict[str, tuple[np.dtype, int]] = {
-    "FloatStorage": (np.dtype("<f4"), tensor_pb2.DATA_TYPE_FP32),
-    "DoubleStorage": (np.dtype("<f8"), tensor_pb2.DATA_TYPE_FP64),
-    "HalfStorage": (np.dtype("<f2"), tensor_pb2.DATA_TYPE_FP16),
-    "BFloat16Storage": (BF16_STORAGE, tensor_pb2.DATA_TYPE_BF16),
-    "LongStorage": (np.dtype("<i8"), tensor_pb2.DATA_TYPE_INT64),
-    "IntStorage": (np.dtype("<i4"), tensor_pb2.DATA_TYPE_INT32),
-    "ShortStorage": (np.dtype("<i2"), tensor_pb2.DATA_TYPE_INT16),
-    "CharStorage": (np.dtype("i1"), tensor_pb2.DATA_TYPE_INT8),
-    "ByteStorage": (np.dtype("u1"), tensor_pb2.DATA_TYPE_UINT8),
-    "BoolStorage": (np.dtype("?"), tensor_pb2.DATA_TYPE_BOOL),
-}
+# torch storage class -> (numpy dtype, DataType), from the one vocabulary (``tensors.DTYPES``). These are the
+# dtypes torch.save writes with _rebuild_tensor_v2; newer ones (float8, uint16/32/64, complex32) go through
+# _rebuild_tensor_v3, which is refused as a dtype.
+_STORAGES: dict[str, tuple[np.dtype, int]] = {i.torch_storage: (i.numpy, k) for k, i in DTYPES.items()}
 
-_SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, int]] = {
-    "F32": (np.dtype("<f4"), tensor_pb2.DATA_TYPE_FP32),
-    "F64": (np.dtype("<f8"), tensor_pb2.DATA_TYPE_FP64),
-    "F16": (np.dtype("<f2"), tensor_pb2.DATA_TYPE_FP16),
-    "BF16": (BF16_STORAGE, tensor_pb2.DATA_TYPE_BF16),
-    "I64": (np.dtype("<i8"), tensor_pb2.DATA_TYPE_INT64),
-    "I32": (np.dtype("<i4"), tensor_pb2.DATA_TYPE_INT32),
-    "I16": (np.dtype("<i2"), tensor_pb2.DATA_TYPE_INT16),
-    "I8": (np.dtype("i1"), tensor_pb2.DATA_TYPE_INT8),
-    "U8": (np.dtype("u1"), tensor_pb2.DATA_TYPE_UINT8),
-    "BOOL": (np.dtype("?"), tensor_pb2.DATA_TYPE_BOOL),
-}
+_SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, int]] = {i.safetensors: (i.numpy, k) for k, i in DTYPES.items()}
 
 _DENSE_HINT = "send one plain dense tensor: torch.save(t.detach().cpu().contiguous())"
 

@@ -25,6 +25,8 @@ from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = [
     "DType",
+    "DTypeInfo",
+    "DTYPES",
     "BF16_STORAGE",
     "DTYPE_NAMES",
     "dtype_from_name",
@@ -35,6 +37,7 @@ __all__ = [
     "element_size",
     "numpy_dtype",
     "is_float",
+    "float_storage_dtypes",
     "check_shape",
     "format_dims",
     "MAX_RANK",
@@ -53,24 +56,35 @@ Python handles, and it is checked against the data length or a byte cap before n
 
 
 @dataclass(frozen=True)
-class _Info:
+class DTypeInfo:
+    """One entry of the dtype vocabulary: every name a DataType goes by in the formats the mesh reads."""
+
     name: str
+    """torch's name without ``torch.`` (``"bfloat16"``): messages, ``GetInfo.dtype``, config values."""
     numpy: np.dtype
+    """Storage dtype (little-endian; bf16 as its uint16 bits)."""
     is_float: bool
+    torch_storage: str
+    """The typed storage class ``torch.save`` names in ``data.pkl`` (``"BFloat16Storage"``)."""
+    safetensors: str
+    """The safetensors header's dtype code (``"BF16"``)."""
 
 
-_INFO: dict[int, _Info] = {
-    tensor_pb2.DATA_TYPE_BOOL: _Info("bool", np.dtype("?"), False),
-    tensor_pb2.DATA_TYPE_UINT8: _Info("uint8", np.dtype("u1"), False),
-    tensor_pb2.DATA_TYPE_INT8: _Info("int8", np.dtype("i1"), False),
-    tensor_pb2.DATA_TYPE_INT16: _Info("int16", np.dtype("<i2"), False),
-    tensor_pb2.DATA_TYPE_INT32: _Info("int32", np.dtype("<i4"), False),
-    tensor_pb2.DATA_TYPE_INT64: _Info("int64", np.dtype("<i8"), False),
-    tensor_pb2.DATA_TYPE_FP16: _Info("float16", np.dtype("<f2"), True),
-    tensor_pb2.DATA_TYPE_BF16: _Info("bfloat16", BF16_STORAGE, True),
-    tensor_pb2.DATA_TYPE_FP32: _Info("float32", np.dtype("<f4"), True),
-    tensor_pb2.DATA_TYPE_FP64: _Info("float64", np.dtype("<f8"), True),
+DTYPES: dict[int, DTypeInfo] = {
+    tensor_pb2.DATA_TYPE_BOOL: DTypeInfo("bool", np.dtype("?"), False, "BoolStorage", "BOOL"),
+    tensor_pb2.DATA_TYPE_UINT8: DTypeInfo("uint8", np.dtype("u1"), False, "ByteStorage", "U8"),
+    tensor_pb2.DATA_TYPE_INT8: DTypeInfo("int8", np.dtype("i1"), False, "CharStorage", "I8"),
+    tensor_pb2.DATA_TYPE_INT16: DTypeInfo("int16", np.dtype("<i2"), False, "ShortStorage", "I16"),
+    tensor_pb2.DATA_TYPE_INT32: DTypeInfo("int32", np.dtype("<i4"), False, "IntStorage", "I32"),
+    tensor_pb2.DATA_TYPE_INT64: DTypeInfo("int64", np.dtype("<i8"), False, "LongStorage", "I64"),
+    tensor_pb2.DATA_TYPE_FP16: DTypeInfo("float16", np.dtype("<f2"), True, "HalfStorage", "F16"),
+    tensor_pb2.DATA_TYPE_BF16: DTypeInfo("bfloat16", BF16_STORAGE, True, "BFloat16Storage", "BF16"),
+    tensor_pb2.DATA_TYPE_FP32: DTypeInfo("float32", np.dtype("<f4"), True, "FloatStorage", "F32"),
+    tensor_pb2.DATA_TYPE_FP64: DTypeInfo("float64", np.dtype("<f8"), True, "DoubleStorage", "F64"),
 }
+"""The one dtype vocabulary: DataType -> its names and storage. ``tensor_codec`` reads torch.save and safetensors
+through it, the worker its accepted row dtypes; nothing else spells a dtype table."""
+_INFO = DTYPES
 
 DTYPE_NAMES: dict[int, str] = {k: v.name for k, v in _INFO.items()}
 _BY_NAME = {v.name: k for k, v in _INFO.items()}
@@ -95,6 +109,11 @@ def element_size(dtype: DType) -> int:
 
 def is_float(dtype: DType) -> bool:
     return dtype in _INFO and _INFO[dtype].is_float
+
+
+def float_storage_dtypes() -> tuple[np.dtype, ...]:
+    """The numpy dtypes that hold float rows (float16/32/64, and uint16 for bf16 bits)."""
+    return tuple(i.numpy for i in DTYPES.values() if i.is_float)
 
 
 def _num(v: int) -> str:

@@ -47,3 +47,19 @@ def test_check_shape_counts_exactly_and_messages_stay_short() -> None:
     with pytest.raises(InvalidArgument) as info:
         tensors.check_shape([1] * 10_000, "x")
     assert "10000 dimensions" in info.value.message and len(info.value.message) < 200
+
+
+def test_one_dtype_vocabulary_feeds_the_codec_and_the_worker() -> None:
+    """Every DataType has one entry, and the torch.save / safetensors tables are read from it (no second table)."""
+    from embedmesh.core import tensor_codec
+    from embedmesh.services.worker.validate import _ROW_DTYPES
+
+    assert set(tensors.DTYPES) == set(tensors.DTYPE_NAMES)
+    for key, info in tensors.DTYPES.items():
+        assert tensor_codec._STORAGES[info.torch_storage] == (info.numpy, key)
+        assert tensor_codec._SAFETENSORS_DTYPES[info.safetensors] == (info.numpy, key)
+        assert tensors.dtype_from_name(info.name) == key
+        assert tensors.dtype_from_name(f"torch.{info.name}") == key
+    assert tensor_codec._STORAGES["BFloat16Storage"] == (tensors.BF16_STORAGE, T.DATA_TYPE_BF16)
+    assert set(_ROW_DTYPES) == {np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
+                                np.dtype(np.uint16)}

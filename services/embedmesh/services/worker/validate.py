@@ -9,7 +9,7 @@ Each refusal is an InvalidArgument naming the field and the rule (reason in pare
 - embedding rows: every rule of ``core.embeds.validate_embeds`` — float dtype, ``(rows, hidden_size)``,
   at least one row, finite after the cast to the model dtype (UNSUPPORTED_DTYPE, BAD_RANK, HIDDEN_SIZE_MISMATCH,
   EMPTY_EMBEDS, NON_FINITE) — checked where the wire dtype is still known (``embeds_from_wire``)
-- prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW)
+- prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW, the rule of ``core.context``)
 - logit_bias token ids are in the vocabulary (TOKEN_OUT_OF_RANGE, field logit_bias)
 - prompt log-probabilities only for prompts made of token ids (PROMPT_LOGPROBS_WITH_EMBEDS)
 Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto``, the rule the preprocessor uses too.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from embedmesh.core import tensors
+from embedmesh.core.context import REQUEST, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams
@@ -27,8 +28,8 @@ from embedmesh.services.worker.engines.base import EmbedsSegment, GenerationRequ
 
 __all__ = ["check_task", "check_generation", "check_sampling_for_model", "embeds_from_wire"]
 
-_ROW_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))
-"""numpy dtypes an EmbedsSegment may hold (uint16: bf16 bits, see ``EmbedsSegment``)."""
+_ROW_DTYPES = tensors.float_storage_dtypes()
+"""numpy dtypes an EmbedsSegment may hold (uint16: bf16 bits, see ``EmbedsSegment``), from ``tensors.DTYPES``."""
 
 
 def embeds_from_wire(arr: np.ndarray, dtype: int, info: ModelInfo, *, max_tokens: int,
@@ -73,10 +74,8 @@ def check_generation(request: GenerationRequest, info: ModelInfo) -> None:
         raise InvalidArgument("prompt_logprobs: log-probabilities of the prompt need token ids; embedding rows have "
                               "no token to score (send a text or token-id prompt)", field="prompt_logprobs",
                               reason="PROMPT_LOGPROBS_WITH_EMBEDS")
-    if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
-        raise InvalidArgument(
-            f"max_tokens: prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the "
-            f"context of {info.max_context_tokens}", field="max_tokens", reason="CONTEXT_OVERFLOW")
+    check_context(request.prompt_len, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
+                  wording=REQUEST)
 
 
 def check_sampling_for_model(sampling: SamplingParams, vocab_size: int) -> None:
