@@ -62,7 +62,7 @@ def plan(quick: bool) -> list[tuple[int, int, int]]:
 # --- in-process engines -----------------------------------------------------------------------------------------
 def hf_in_process(quick: bool) -> dict[int, float]:
     from embedmesh.models.minilm import minilm_dir
-    from embedmesh.services.worker.engines.hf_embed import HFEmbedConfig, HFEmbedEngine
+    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
 
     async def run() -> dict[int, float]:
         engine = HFEmbedEngine(HFEmbedConfig(minilm_dir(), MODEL, threads=1))
@@ -83,7 +83,7 @@ def hf_in_process(quick: bool) -> dict[int, float]:
 def sglang_in_process(quick: bool) -> dict[int, float]:
     """Runs inside the SGLang venv (``--sglang-in-process``): our adapter over sglang.Engine in this process."""
     from embedmesh.models.minilm import minilm_dir
-    from embedmesh.services.worker.engines.sglang_engine import SGLangConfig, SGLangEngine
+    from embedmesh.services.worker.engines.sglang.engine import SGLangConfig, SGLangEngine
 
     async def run() -> dict[int, float]:
         engine = SGLangEngine(SGLangConfig(minilm_dir(), MODEL))

@@ -264,7 +264,7 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
     from embedmesh.core.server import channel_options
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
-    from embedmesh.services.worker.engines.echo import EchoEngine
+    from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
     print("\n(1) overhead: prompt [1,2,3], max_tokens=1, echo engine; "
           f"{n_rounds} interleaved rounds of {n1} (1 client) / {n32} (32 clients) requests per path")

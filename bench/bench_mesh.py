@@ -63,7 +63,7 @@ async def bench_overhead(total: int) -> None:
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
-    from embedmesh.services.worker.engines.echo import EchoEngine
+    from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
     print("\n(a) mesh overhead: prompt [1,2,3], max_tokens=1, echo engine (no model)")
     engine = EchoEngine()
@@ -165,7 +165,7 @@ async def bench_tokens(max_tokens: int) -> None:
     from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
     from embedmesh.models import DEFAULT_MODEL, ensure_default_model
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     print(f"\n(c) tokens/s on SmolLM2-135M (hf engine, 2 threads, float32), {max_tokens} tokens per request")
     prompt = (1, 504, 3458, 282, 4649, 314)

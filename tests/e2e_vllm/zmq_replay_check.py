@@ -19,7 +19,7 @@ async def _phase(tmp: str, name: str, buffer_steps: int) -> list[list[object]]:
     from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
     from embedmesh.services.worker.engines.base import TokenSegment
-    from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, VllmKvEventSubscriber
+    from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, VllmKvEventSubscriber
 
     got: list[list[object]] = []
     t = KvEventTranslator(4, lambda evs: got.append([type(e).__name__ for e in evs]))

@@ -25,7 +25,7 @@ from embedmesh.services.worker.watchdog import Watchdog
 from embedmesh.worker.v1 import worker_pb2_grpc
 
 if TYPE_CHECKING:
-    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
+    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
 log = get_logger("embedmesh.worker")
 
@@ -44,7 +44,7 @@ async def serve(config: WorkerConfig) -> None:
     register_engine_metrics(engine, worker_id)
     vllm = _as_vllm(engine)
     if vllm is not None:
-        from embedmesh.services.worker.engines.vllm_metrics import register_vllm_metrics
+        from embedmesh.services.worker.engines.vllm.metrics import register_vllm_metrics
 
         register_vllm_metrics(vllm.engine_metrics, vllm.kv_event_counters, worker_id)
     await server.start()
@@ -106,7 +106,7 @@ def _events_log(path: str) -> Callable[[list[Any]], None]:
     """A KV-event listener appending each translated event to ``path`` as a JSON line."""
     import json
 
-    from embedmesh.services.worker.engines.vllm_kv_events import event_rows
+    from embedmesh.services.worker.engines.vllm.kv_events import event_rows
 
     out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life, line-buffered
     log.info("writing KV events", extra={"path": path})
@@ -119,7 +119,7 @@ def _events_log(path: str) -> Callable[[list[Any]], None]:
 
 def _as_vllm(engine: Engine) -> VLLMEngine | None:
     """The engine as a VLLMEngine (KV events, vLLM's scheduler metrics), or None for other engines."""
-    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
+    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
     return engine if isinstance(engine, VLLMEngine) else None
 

@@ -12,9 +12,9 @@ from embedmesh.core import tensors
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.coalesce import coalesced
-from embedmesh.services.worker.convert import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
+from embedmesh.services.worker.messages import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerServicer"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
+from embedmesh.services.worker.engines.hf.detok import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

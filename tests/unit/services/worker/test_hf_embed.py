@@ -12,7 +12,7 @@ import pytest
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.models.minilm import minilm_dir
-from embedmesh.services.worker.engines.hf_embed import HFEmbedConfig, HFEmbedEngine
+from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
 
 SENTENCES = ["The cat sits on the mat.", "A quick brown fox", "embedmesh serves embeddings", "x", "Ünïcödé ✓ 東京"]
 
@@ -151,7 +151,7 @@ def test_generate_is_refused(engine: HFEmbedEngine) -> None:
 def test_pooling_spec_is_read_from_the_folder(tmp_path: Any) -> None:
     import json
 
-    from embedmesh.services.worker.engines.hf_embed import read_pooling_spec
+    from embedmesh.services.worker.engines.embed_inputs import read_pooling_spec
 
     spec = read_pooling_spec(minilm_dir(), 512)
     assert (spec.pooling, spec.normalize, spec.max_tokens) == ("mean", True, 256)

@@ -24,7 +24,7 @@ from embedmesh.services.worker.engines.base import (
 @pytest.fixture(scope="module")
 async def engine() -> AsyncIterator[Any]:
     from embedmesh.models import ensure_default_model
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))
     await e.start()
@@ -302,7 +302,7 @@ async def test_progress_counts_work_and_reports_busy(engine: Any) -> None:
 async def doomed() -> AsyncIterator[Any]:
     """An engine of its own: these tests stop it for good."""
     from embedmesh.models import ensure_default_model
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=2))
     await e.start()

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from embedmesh.core.sampling import SamplingParams, Structured
-from embedmesh.services.worker.engines import logits as logits_ops
 from embedmesh.services.worker.engines.base import FinishReason, GenerationDelta, GenerationRequest, TokenSegment
+from embedmesh.services.worker.engines.hf import logits as logits_ops
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest.fixture(scope="module")
 async def engine() -> AsyncIterator[Any]:
     from embedmesh.models import ensure_default_model
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))
     await e.start()

@@ -32,7 +32,7 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 async def engine() -> AsyncIterator[Any]:
     from embedmesh.models import ensure_default_model
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))
     await e.start()
@@ -125,7 +125,7 @@ async def test_a_mismatched_first_adapter_leaves_the_plain_model_untouched(adapt
     """On a fresh engine (no adapter ever loaded) an adapter made for another base model is refused naming
     ``path``; the base model's tokens are unchanged and a good adapter then loads and matches peft."""
     from embedmesh.models import ensure_default_model
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     save_other_base_adapter(tmp_path / "o")
     e = HFEngine(HFEngineConfig(ensure_default_model(), "smol", max_batch_size=4))

@@ -6,7 +6,7 @@ import pytest
 
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines import registry
-from embedmesh.services.worker.engines.echo import EchoEngine
+from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
 
 def test_every_engine_is_registered_once_with_what_the_launcher_needs() -> None:
@@ -32,7 +32,7 @@ def test_a_name_cannot_be_registered_twice() -> None:
 
 
 def test_vllm_gets_sleep_mode_and_lora_from_the_worker_flags() -> None:
-    from embedmesh.services.worker.engines.vllm_engine import VLLMEngine
+    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
     config = WorkerConfig.from_args(["--engine", "vllm", "--enable-sleep-mode", "--enable-lora"])
     engine = registry.build_engine(config)

@@ -26,8 +26,8 @@ from embedmesh.services.worker.engines.base import (
     ModelInfo,
     TokenSegment,
 )
-from embedmesh.services.worker.engines.hf_embed import InputEncoder
-from embedmesh.services.worker.engines.sglang_engine import (
+from embedmesh.services.worker.engines.embed_inputs import InputEncoder
+from embedmesh.services.worker.engines.sglang.engine import (
     SGLangConfig,
     SGLangEngine,
     delta_from_output,
@@ -111,7 +111,7 @@ def test_sampling_mapping() -> None:
 
 def test_openai_surface_mapping() -> None:
     from embedmesh.core.sampling import Structured
-    from embedmesh.services.worker.engines.sglang_engine import delta_from_output, logprob_fields
+    from embedmesh.services.worker.engines.sglang.engine import delta_from_output, logprob_fields
 
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_tokens=3,
                        logit_bias=((7, -100.0),), structured=Structured("choice", ("a.b", "c")), logprobs=2)

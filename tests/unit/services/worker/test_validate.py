@@ -12,7 +12,7 @@ import pytest
 
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensors import f32_to_bf16, from_numpy
-from embedmesh.services.worker.engines.echo import EchoEngine
+from embedmesh.services.worker.engines.echo.engine import EchoEngine
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2

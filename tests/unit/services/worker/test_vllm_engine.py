@@ -27,9 +27,9 @@ from embedmesh.services.worker.engines.base import (  # noqa: E402
     SamplingParams,
     TokenSegment,
 )
-from embedmesh.services.worker.engines.vllm_engine import VLLMConfig, VLLMEngine  # noqa: E402
-from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, Stored  # noqa: E402
-from embedmesh.services.worker.engines.vllm_metrics import MetricsRecorder  # noqa: E402
+from embedmesh.services.worker.engines.vllm.engine import VLLMConfig, VLLMEngine  # noqa: E402
+from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, Stored  # noqa: E402
+from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder  # noqa: E402
 
 HIDDEN = 8
 
@@ -289,7 +289,7 @@ def test_openai_surface_maps_onto_vllm_and_back() -> None:
     from types import SimpleNamespace
 
     from embedmesh.core.sampling import Structured
-    from embedmesh.services.worker.engines.vllm_engine import _logprobs, _prompt_logprobs, _vllm_structured
+    from embedmesh.services.worker.engines.vllm.engine import _logprobs, _prompt_logprobs, _vllm_structured
 
     assert _vllm_structured(Structured("json_schema", '{"type": "object"}')) == {"json": '{"type": "object"}'}
     assert _vllm_structured(Structured("choice", ("a", "b"))) == {"choice": ["a", "b"]}

@@ -13,7 +13,7 @@ import pytest
 from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
 from embedmesh.core.kv_events import to_proto
 from embedmesh.services.worker.engines.base import EmbedsSegment, TokenSegment
-from embedmesh.services.worker.engines.vllm_kv_events import (
+from embedmesh.services.worker.engines.vllm.kv_events import (
     Cleared,
     KvEventTranslator,
     MeshKvEvent,

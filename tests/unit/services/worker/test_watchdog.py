@@ -205,7 +205,7 @@ async def test_a_dead_engine_trips_at_once_even_with_the_stall_check_off(harness
 
 
 async def test_engines_without_progress_are_not_watched() -> None:
-    from embedmesh.services.worker.engines.echo import EchoEngine
+    from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
     exits: list[int] = []
     clock = Clock()

@@ -78,7 +78,7 @@ def _served(config: WorkerConfig, path_name: str, default: str) -> str:
 
 def _hf(config: WorkerConfig) -> Engine:
     from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-    from embedmesh.services.worker.engines.hf import HFEngine, HFEngineConfig
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
     path = resolve_model_path(config.model)
     return HFEngine(HFEngineConfig(path, _served(config, path.name, DEFAULT_MODEL), config.max_batch_size,
@@ -89,7 +89,7 @@ def _hf_embed(config: WorkerConfig) -> Engine:
     from pathlib import Path
 
     from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
-    from embedmesh.services.worker.engines.hf_embed import HFEmbedConfig, HFEmbedEngine
+    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
 
     default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
     folder = minilm_dir() if default else Path(config.model)
@@ -99,7 +99,7 @@ def _hf_embed(config: WorkerConfig) -> Engine:
 
 def _vllm(config: WorkerConfig) -> Engine:
     from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-    from embedmesh.services.worker.engines.vllm_engine import VLLMConfig, VLLMEngine
+    from embedmesh.services.worker.engines.vllm.engine import VLLMConfig, VLLMEngine
 
     path = resolve_model_path(config.model)
     return VLLMEngine(VLLMConfig(path, _served(config, path.name, DEFAULT_MODEL), dtype=config.dtype,
@@ -116,13 +116,13 @@ def _vllm(config: WorkerConfig) -> Engine:
 
 
 def _sglang(config: WorkerConfig) -> Engine:
-    from embedmesh.services.worker.engines.sglang_engine import from_worker_config
+    from embedmesh.services.worker.engines.sglang.engine import from_worker_config
 
     return from_worker_config(config)
 
 
 def _echo(config: WorkerConfig) -> Engine:
-    from embedmesh.services.worker.engines.echo import EchoEngine
+    from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
     return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
 

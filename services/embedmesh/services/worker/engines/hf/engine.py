@@ -40,7 +40,6 @@ import numpy as np
 
 from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
-from embedmesh.services.worker.engines import logits as logits_ops
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     Engine,
@@ -54,7 +53,8 @@ from embedmesh.services.worker.engines.base import (
     TokenSegment,
     load_once,
 )
-from embedmesh.services.worker.engines.detok import IncrementalDetokenizer
+from embedmesh.services.worker.engines.hf import logits as logits_ops
+from embedmesh.services.worker.engines.hf.detok import IncrementalDetokenizer
 from embedmesh.services.worker.validate import check_generation
 
 __all__ = ["HFEngine", "HFEngineConfig", "GREEDY_BELOW"]

@@ -5,7 +5,7 @@ Two tasks, one per worker:
 - ``embed`` (runs on this CPU): ``is_embedding=True``, ``device="cpu"``, ``disable_radix_cache=True`` (with the
   radix cache on, a repeated input is served from cached prefix states and comes back as a wrong vector), a bounded
   ``max_total_tokens`` (SGLang otherwise sizes its KV pool from free memory). Inputs are tokenized and checked here
-  with the shared rules of ``hf_embed`` (so errors and token counts match the hf worker) and sent to SGLang as
+  with the shared rules of ``engines/embed_inputs.py`` (errors and token counts match the hf worker) and sent as
   ``input_ids`` (so SGLang runs without a tokenizer, ``skip_tokenizer_init``, and answers without the detokenizer
   hop); SGLang's scheduler batches concurrent requests itself and sleeps while idle (``sleep_on_idle``: by default it
   busy-polls a whole core, which on a small CPU host starves the mesh and its own OpenMP threads). Note: SGLang
@@ -59,7 +59,7 @@ from embedmesh.services.worker.engines.base import (
     TokenSegment,
     load_once,
 )
-from embedmesh.services.worker.engines.hf_embed import InputEncoder, check_dimensions, read_pooling_spec, shorten
+from embedmesh.services.worker.engines.embed_inputs import InputEncoder, check_dimensions, read_pooling_spec, shorten
 
 __all__ = [
     "SGLangConfig",

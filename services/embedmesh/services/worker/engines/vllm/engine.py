@@ -12,7 +12,7 @@ metrics port because the engine runs in the worker process; ``engine_metrics()``
 gives the same figures to the worker (running, waiting, KV usage for the router's load reports).
 
 With ``kv_events`` on, vLLM publishes its KV cache events on a private ZMQ socket (``ipc://`` in a temporary
-folder: local only, no port to pick) and ``vllm_kv_events`` turns them into the mesh's stored/removed/cleared
+folder: local only, no port to pick) and ``kv_events.py`` turns them into the mesh's stored/removed/cleared
 events with the mesh's block hashes; listeners added with ``on_kv_events`` get them, ``kv_snapshot()`` answers a
 router's re-sync.
 """
@@ -45,8 +45,8 @@ from embedmesh.services.worker.engines.base import (
     TokenSegment,
     load_once,
 )
-from embedmesh.services.worker.engines.vllm_kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
-from embedmesh.services.worker.engines.vllm_metrics import MetricsRecorder, VLLMEngineMetrics
+from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
+from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder, VLLMEngineMetrics
 
 __all__ = ["VLLMEngine", "VLLMConfig", "VLLMEngineMetrics"]
 
