@@ -19,6 +19,17 @@ __all__ = [
     "SEED_MIN",
     "SEED_MAX",
     "MAX_LOGPROBS",
+    "MAX_LOGIT_BIAS",
+    "MAX_STOP",
+    "TEMPERATURE_MIN",
+    "TEMPERATURE_MAX",
+    "TOP_P_MAX",
+    "PENALTY_MIN",
+    "PENALTY_MAX",
+    "REPETITION_PENALTY_MAX",
+    "LOGIT_BIAS_MIN",
+    "LOGIT_BIAS_MAX",
+    "TEMPERATURE_RANGE",
 ]
 
 DEFAULT_MAX_TOKENS = 16
@@ -30,6 +41,23 @@ MAX_LOGPROBS = 20
 """Most alternatives per position (OpenAI's bound for top_logprobs; completions' logprobs allows 5, vLLM 20)."""
 MAX_LOGIT_BIAS = 300
 """Most entries in logit_bias (OpenAI's own limit)."""
+MAX_STOP = 16
+"""Most stop strings."""
+TEMPERATURE_MIN = 0.0
+TEMPERATURE_MAX = 100.0
+"""``temperature`` in [TEMPERATURE_MIN, TEMPERATURE_MAX]; 0 is greedy."""
+TEMPERATURE_RANGE = f"temperature must be in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]"
+"""The refusal of a temperature out of range (the preprocessor's and the gateway's words)."""
+TOP_P_MAX = 1.0
+"""``top_p`` in (0, TOP_P_MAX]."""
+PENALTY_MIN = -2.0
+PENALTY_MAX = 2.0
+"""``presence_penalty`` and ``frequency_penalty`` in [PENALTY_MIN, PENALTY_MAX] (OpenAI's range)."""
+REPETITION_PENALTY_MAX = 2.0
+"""``repetition_penalty`` in (0, REPETITION_PENALTY_MAX]; 1 = none."""
+LOGIT_BIAS_MIN = -100.0
+LOGIT_BIAS_MAX = 100.0
+"""Each ``logit_bias`` value in [LOGIT_BIAS_MIN, LOGIT_BIAS_MAX] (OpenAI's range)."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +152,12 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, allow_zero_max_tokens: 
     prompt_logprobs = int(p.prompt_logprobs) if p.HasField("prompt_logprobs") else None
     if max_tokens < 1 and not (max_tokens == 0 and (allow_zero_max_tokens or prompt_logprobs is not None)):
         raise InvalidArgument("max_tokens must be >= 1", field="max_tokens", reason="OUT_OF_RANGE")
-    if not math.isfinite(temperature) or not 0.0 <= temperature <= 100.0:
-        raise InvalidArgument("temperature must be in [0, 100]", field="temperature", reason="OUT_OF_RANGE")
-    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        raise InvalidArgument("top_p must be in (0, 1]", field="top_p", reason="OUT_OF_RANGE")
-    if len(p.stop) > 16:
-        raise InvalidArgument("at most 16 stop strings", field="stop", reason="TOO_MANY_STOP")
+    if not math.isfinite(temperature) or not TEMPERATURE_MIN <= temperature <= TEMPERATURE_MAX:
+        raise InvalidArgument(TEMPERATURE_RANGE, field="temperature", reason="OUT_OF_RANGE")
+    if not math.isfinite(top_p) or not 0.0 < top_p <= TOP_P_MAX:
+        raise InvalidArgument(f"top_p must be in (0, {TOP_P_MAX:g}]", field="top_p", reason="OUT_OF_RANGE")
+    if len(p.stop) > MAX_STOP:
+        raise InvalidArgument(f"at most {MAX_STOP} stop strings", field="stop", reason="TOO_MANY_STOP")
     logprobs = int(p.logprobs) if p.HasField("logprobs") else None
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}]", field="logprobs", reason="OUT_OF_RANGE")
@@ -144,8 +172,9 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, allow_zero_max_tokens: 
         if token < 0:
             raise InvalidArgument(f"logit_bias: token id {token} is negative", field="logit_bias",
                                   reason="INVALID_TOKEN_ID")
-        if not math.isfinite(value) or not -100.0 <= value <= 100.0:
-            raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [-100, 100]",
+        if not math.isfinite(value) or not LOGIT_BIAS_MIN <= value <= LOGIT_BIAS_MAX:
+            raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [{LOGIT_BIAS_MIN:g}, "
+                                  f"{LOGIT_BIAS_MAX:g}]",
                                   field="logit_bias", reason="OUT_OF_RANGE")
         bias.append((int(token), float(value)))
     return SamplingParams(
@@ -156,9 +185,9 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, allow_zero_max_tokens: 
         seed=int(p.seed) if p.HasField("seed") else None,
         stop=tuple(s for s in p.stop if s),
         ignore_eos=p.ignore_eos,
-        presence_penalty=_penalty(p, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_penalty(p, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_penalty(p, "repetition_penalty", 1.0, 0.0, 2.0, low_open=True),
+        presence_penalty=_penalty(p, "presence_penalty", 0.0, PENALTY_MIN, PENALTY_MAX),
+        frequency_penalty=_penalty(p, "frequency_penalty", 0.0, PENALTY_MIN, PENALTY_MAX),
+        repetition_penalty=_penalty(p, "repetition_penalty", 1.0, 0.0, REPETITION_PENALTY_MAX, low_open=True),
         logit_bias=tuple(bias),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
