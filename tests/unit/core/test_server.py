@@ -1,5 +1,6 @@
 """The shared bootstrap: errors become status codes with details, surprises become INTERNAL without internals,
-health follows loading and draining, messages above gRPC's 4 MiB default pass."""
+health follows loading and draining, messages above gRPC's 4 MiB default pass, bytes that are not a protobuf are
+INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from .conftest import WORKER, ServeEcho
 
 
 class Scripted(worker_pb2_grpc.WorkerServiceServicer):
@@ -137,3 +141,24 @@ async def test_liveness_name_stays_serving_while_readiness_flips() -> None:
         assert (ready.status == health_pb2.HealthCheckResponse.SERVING) == serving
     await channel.close()
     await server.drain()
+
+
+@pytest.fixture
+async def open_server(plain_security: None, serve_echo: ServeEcho) -> AsyncIterator[Server]:
+    server = await serve_echo(Access.MESH)
+    yield server
+    await server.drain()
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"not a protobuf at all \x80"])
+async def test_bytes_that_are_not_a_protobuf_are_invalid_argument(open_server: Server, raw: bytes) -> None:
+    async with grpc.aio.insecure_channel(open_server.address) as ch:
+        call = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(raw)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert from_rpc_error(info.value).field == "request"
+        # ... and the server keeps serving.
+        ok = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        assert await ok(b"") is not None
