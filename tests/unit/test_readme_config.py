@@ -1,47 +1,102 @@
-"""The README's Configuration table names only variables some process reads: a renamed or removed variable fails
-here instead of leaving operators a setting that does nothing."""
+"""The README's Configuration section matches the code: the generated tables are exactly what
+``scripts/config_table.py`` renders from the config dataclasses (every field's variable is listed, none that nothing
+reads), and every variable the hand-written rows name is read somewhere."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [*ROOT.glob("services/embedmesh/**/*.py"), *ROOT.glob("gateway/embedmesh/**/*.py"), ROOT / "Makefile"]
-# Config parsers that build names from a prefix: e("PORT") in the router's config reads EMBEDMESH_ROUTER_PORT.
-PREFIXED = {"EMBEDMESH_ROUTER_": "services/embedmesh/services/router/config.py",
-            "EMBEDMESH_VECTOR_STORE_": "services/embedmesh/services/vector_store/config.py"}
 
 
-def _table_variables() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    names: list[str] = []
-    for row in section.splitlines():
-        if not row.startswith("| `"):
-            continue
-        cell = row.split("|")[1]
-        first = None
-        for name in re.findall(r"`([A-Z_]+)`", cell):
-            if name.startswith("_") and first is not None:  # `EMBEDMESH_ROUTER_PREFILL_WEIGHT` / `_DECODE_WEIGHT`
-                name = first.rsplit("_", 2)[0] + name
-            first = first or name
-            names.append(name)
-    return names
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("config_table", ROOT / "scripts" / "config_table.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _read_somewhere(name: str, corpus: str) -> bool:
-    if re.search(rf"[\"'$]{{0,2}}\b{name}\b", corpus):
-        return True
-    for prefix, path in PREFIXED.items():
-        if name.startswith(prefix) and f'"{name.removeprefix(prefix)}"' in (ROOT / path).read_text():
-            return True
-    return False
+TABLE = _script()
 
 
-def test_every_variable_in_the_readme_table_is_read_by_the_code() -> None:
-    names = _table_variables()
-    assert len(names) >= 15, names  # the parser found the table
-    corpus = "\n".join(p.read_text() for p in SOURCES)
-    missing = [n for n in names if not _read_somewhere(n, corpus)]
-    assert not missing, f"README's Configuration table names variables nothing reads: {missing}"
+def _section(readme: str) -> str:
+    return readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+
+
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"`((?:EMBEDMESH|REDIS|OTEL)_[A-Z0-9_]+)`", text))
+
+
+def _config_variables() -> set[str]:
+    """Every variable a config dataclass reads: its own names and their aliases."""
+    return {name.lstrip("!") for _, cls in TABLE.configs() for o in cls.options() for name in (o.env, *o.aliases)}
+
+
+def problems(readme: str, corpus: str) -> list[str]:
+    """What is wrong with the README's Configuration section (empty when it matches the code)."""
+    section = _section(readme)
+    generated = TABLE.readme_block(section)
+    if not generated:
+        return ["the generated tables' markers are missing"]
+    out = []
+    read = _config_variables()
+    listed = _names(generated)
+    out += [f"{n} is read by a config but missing from the table" for n in sorted(read - listed)]
+    out += [f"{n} is in the generated table but no config reads it" for n in sorted(listed - read)]
+    if not out and generated != TABLE.render():
+        out.append("the generated tables differ from scripts/config_table.py's output (flags, defaults or help)")
+    by_hand = _section(readme).replace(generated, "")
+    out += [f"{n} (hand-written row) is read by nothing" for n in sorted(_names(by_hand) - read)
+            if not re.search(rf"\b{n}\b", corpus)]
+    return out
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text()
+
+
+def _corpus() -> str:
+    return "\n".join(p.read_text() for p in SOURCES)
+
+
+def test_the_readme_configuration_section_matches_the_code() -> None:
+    assert TABLE.configs(), "no config listed in scripts/config_table.py"
+    assert len(_names(TABLE.readme_block(_readme()))) >= 40  # the tables are there
+    assert problems(_readme(), _corpus()) == []
+
+
+def test_a_variable_missing_from_the_table_fails() -> None:
+    readme = _readme()
+    row = next(r for r in readme.splitlines() if r.startswith("| `EMBEDMESH_ROUTER_TEMPERATURE`"))
+    assert problems(readme.replace(row + "\n", ""), _corpus()) == [
+        "EMBEDMESH_ROUTER_TEMPERATURE is read by a config but missing from the table"]
+
+
+def test_a_variable_nothing_reads_fails_in_either_table() -> None:
+    readme = _readme()
+    stale = readme.replace("`EMBEDMESH_ROUTER_TEMPERATURE`", "`EMBEDMESH_ROUTER_HEAT`", 1)
+    assert "EMBEDMESH_ROUTER_HEAT is in the generated table but no config reads it" in problems(stale, _corpus())
+    by_hand = readme.replace("`EMBEDMESH_TRACE_CONSOLE`", "`EMBEDMESH_TRACE_QUIET`", 1)
+    assert problems(by_hand, _corpus()) == ["EMBEDMESH_TRACE_QUIET (hand-written row) is read by nothing"]
+
+
+def test_a_stale_default_or_help_fails() -> None:
+    readme = _readme()
+    row = "| `EMBEDMESH_ROUTER_PORT` | `--port` | `50081` |"
+    stale = readme.replace(row, row.replace("50081", "1"))
+    assert stale != readme
+    assert problems(stale, _corpus()) == [
+        "the generated tables differ from scripts/config_table.py's output (flags, defaults or help)"]
+
+
+def test_the_script_checks_and_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    assert TABLE.main(["--check"]) == 0
+    assert TABLE.main([]) == 0
+    assert capsys.readouterr().out == TABLE.render() + "\n"

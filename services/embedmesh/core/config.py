@@ -112,6 +112,8 @@ class OptionInfo:
     """The default as an operator would write it."""
     help: str
     choices: tuple[str, ...] | None
+    switch: bool = False
+    """A bool: each flag also has its ``--no-`` form."""
 
 
 class Settings:
@@ -291,7 +293,7 @@ def _show(fld: _Field, value: Any) -> str:
 def options(cls: type) -> list[OptionInfo]:
     """Every field of the config dataclass ``cls`` as (flags, env, aliases, default, help, choices)."""
     return [OptionInfo(f.name, f.flags, f.env, _alias_names(f), _show(f, f.default), f.help,
-                       None if f.opt.choices is None else tuple(map(str, f.opt.choices)))
+                       None if f.opt.choices is None else tuple(map(str, f.opt.choices)), f.kind == "bool")
             for f in _fields(cls)]
 
 

@@ -150,6 +150,7 @@ def test_options_list_every_field_for_documentation() -> None:
     assert rows["requeue_on_start"].aliases == ("!DEMO_NO_REQUEUE",)
     assert (rows["seed"].default, rows["routers"].default, rows["verbose"].default) == ("(none)", "(empty)", "false")
     assert rows["backend"].choices == ("a", "b") and rows["addr"].env == "EMBEDMESH_UPSTREAM_ADDR"
+    assert rows["verbose"].switch and not rows["port"].switch
 
 
 def test_os_environ_is_the_default_env(monkeypatch: pytest.MonkeyPatch) -> None:

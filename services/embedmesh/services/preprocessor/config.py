@@ -1,10 +1,15 @@
-"""Preprocessor configuration: one typed dataclass; CLI flags and ``EMBEDMESH_*`` env vars are read here only."""
+"""Preprocessor configuration: one typed dataclass; CLI flags and ``EMBEDMESH_*`` env vars are read here only.
+
+Each field is a flag ``--field-name`` and a variable ``EMBEDMESH_PREPROCESSOR_<FIELD>`` (``embedmesh.core.config``;
+``--help`` lists them); the older names (``EMBEDMESH_WORKERS``, ``EMBEDMESH_ROUTERS``, ``EMBEDMESH_BLOCK_SIZE``,
+``REDIS_URL``, ``--upload-ttl``, ...) keep working as aliases, after the preprocessor's own variable.
+"""
 
 from __future__ import annotations
 
-import argparse
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from embedmesh.core.config import Settings, option
 
 __all__ = ["PreprocessorConfig"]
 
@@ -12,18 +17,21 @@ MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class PreprocessorConfig:
+class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-preprocessor",
+                         description="Run the embedmesh preprocessor."):
+    """The public gRPC entry: where it listens, its workers and routers, its limits and caches."""
+
     host: str = "127.0.0.1"
     """Interface to bind."""
     port: int = 50051
     """gRPC port of the public inference API (0 = any free port)."""
-    workers: tuple[str, ...] = ("127.0.0.1:50061",)
-    """Worker addresses (host:port)."""
-    tokenizer: str = "default"
+    workers: tuple[str, ...] = option(("127.0.0.1:50061",), aliases=("EMBEDMESH_WORKERS",), metavar="host:port")
+    """Worker addresses (host:port), comma-separated."""
+    tokenizer: str = option("default", aliases=("EMBEDMESH_TOKENIZER",))
     """Model folder whose tokenizer.json is used for text prompts ("default" = the bundled SmolLM2)."""
-    max_embeds_bytes: int = 256 * MiB
-    """Cap on one decoded prompt_embeds tensor (EMBEDMESH_MAX_EMBEDS_BYTES); checked before allocation."""
-    max_message_bytes: int = 512 * MiB
+    max_embeds_bytes: int = option(256 * MiB, aliases=("EMBEDMESH_MAX_EMBEDS_BYTES",))
+    """Cap on one decoded prompt_embeds tensor, in bytes; checked before allocation."""
+    max_message_bytes: int = option(512 * MiB, aliases=("EMBEDMESH_MAX_MESSAGE_BYTES",))
     """Largest gRPC message accepted or sent."""
     max_n: int = 16
     """Largest `n` (choices per prompt)."""
@@ -31,31 +39,32 @@ class PreprocessorConfig:
     """Most prompts in one request."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = none)."""
-    cache_capacity_bytes: int = 1 << 30
+    cache_capacity_bytes: int = option(1 << 30, aliases=("EMBEDMESH_CACHE_CAPACITY_BYTES",))
     """In-process L1 of the encoder cache (decoded payloads and uploaded tensors), in bytes."""
-    redis_url: str = ""
-    """Redis for the shared L2 (REDIS_URL); empty = L1 only, the embedded default."""
-    upload_ttl_seconds: int = 3600
+    redis_url: str = option("", aliases=("REDIS_URL",))
+    """Redis for the shared L2; empty = L1 only, the embedded default."""
+    upload_ttl_seconds: int = option(3600, flags=("--upload-ttl",), aliases=("EMBEDMESH_UPLOAD_TTL_SECONDS",))
     """Default lifetime of tensors uploaded once and referred to by id."""
-    routers: tuple[str, ...] = ()
-    """KV router addresses; empty = round robin over the workers."""
-    block_size: int = 16
+    routers: tuple[str, ...] = option((), aliases=("EMBEDMESH_ROUTERS",), metavar="host:port")
+    """KV router addresses, comma-separated; empty = round robin over the workers."""
+    block_size: int = option(16, aliases=("EMBEDMESH_BLOCK_SIZE",))
     """Positions per block for routing hashes (must match the workers')."""
     max_inflight: int = 256
     """Requests (completions, chats, embeddings) served at once; past it a new one is refused at once with
-    UNAVAILABLE ``OVERLOADED`` and a retry delay (EMBEDMESH_PREPROCESSOR_MAX_INFLIGHT)."""
-    drain_seconds: float = 30.0
-    """On SIGTERM: how long in-flight calls may finish before the worker channels close
-    (EMBEDMESH_DRAIN_GRACE_SECONDS)."""
+    UNAVAILABLE ``OVERLOADED`` and a retry delay."""
+    drain_seconds: float = option(30.0, aliases=("EMBEDMESH_DRAIN_GRACE_SECONDS",))
+    """On SIGTERM: how long in-flight calls may finish before the worker channels close."""
 
-    model_tokenizers: tuple[tuple[str, str], ...] = ()
+    model_tokenizers: tuple[tuple[str, str], ...] = option((), aliases=("EMBEDMESH_MODEL_TOKENIZERS",),
+                                                           metavar="name=folder")
     """(served model name, folder) for models other than the default one: each model's tokenizer and chat template
     (``--model-tokenizers name=folder,...``); models not listed use ``tokenizer``."""
-    tool_call_parser: str = "hermes"
-    """How tool calls are read from the model's output (``preprocessor/tools.py``; vLLM's flag name)."""
-    lora_load_on_demand: bool = False
+    tool_call_parser: str = option("hermes", aliases=("EMBEDMESH_TOOL_CALL_PARSER",))
+    """How tool calls are read from the model's output: ``hermes`` (``<tool_call>{...}</tool_call>``; the parsers
+    are in ``preprocessor/tools.py``; vLLM's flag name)."""
+    lora_load_on_demand: bool = option(False, aliases=("EMBEDMESH_LORA_LOAD_ON_DEMAND",))
     """A request naming a LoRA adapter that no healthy worker holds (but one held since start) loads it on the
-    least-loaded worker of its model first (EMBEDMESH_LORA_LOAD_ON_DEMAND); off: such a request is refused."""
+    least-loaded worker of its model first; off: such a request is refused."""
 
     def __post_init__(self) -> None:
         from embedmesh.services.preprocessor.tools import PARSERS
@@ -80,59 +89,3 @@ class PreprocessorConfig:
             raise ValueError("max_inflight must be >= 1")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> PreprocessorConfig:
-        env = os.environ
-        p = argparse.ArgumentParser(prog="embedmesh-preprocessor", description="Run the embedmesh preprocessor.")
-        p.add_argument("--host", default=env.get("EMBEDMESH_PREPROCESSOR_HOST", cls.host))
-        p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_PORT", cls.port)))
-        p.add_argument("--workers", default=env.get("EMBEDMESH_WORKERS", ",".join(cls.workers)),
-                       help="comma-separated worker addresses")
-        p.add_argument("--tokenizer", default=env.get("EMBEDMESH_TOKENIZER", cls.tokenizer))
-        p.add_argument("--max-embeds-bytes", type=int,
-                       default=int(env.get("EMBEDMESH_MAX_EMBEDS_BYTES", cls.max_embeds_bytes)))
-        p.add_argument("--max-message-bytes", type=int,
-                       default=int(env.get("EMBEDMESH_MAX_MESSAGE_BYTES", cls.max_message_bytes)))
-        p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_METRICS_PORT", 0)))
-        p.add_argument("--cache-capacity-bytes", type=int,
-                       default=int(env.get("EMBEDMESH_CACHE_CAPACITY_BYTES", cls.cache_capacity_bytes)))
-        p.add_argument("--redis-url", default=env.get("REDIS_URL", ""))
-        p.add_argument("--upload-ttl", type=int, default=int(env.get("EMBEDMESH_UPLOAD_TTL_SECONDS", 3600)))
-        p.add_argument("--routers", default=env.get("EMBEDMESH_ROUTERS", ""), help="comma-separated addresses")
-        p.add_argument("--block-size", type=int, default=int(env.get("EMBEDMESH_BLOCK_SIZE", cls.block_size)))
-        p.add_argument("--max-inflight", type=int,
-                       default=int(env.get("EMBEDMESH_PREPROCESSOR_MAX_INFLIGHT", cls.max_inflight)),
-                       help="requests served at once; more are refused with a retry delay")
-        p.add_argument("--drain-seconds", type=float,
-                       default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", cls.drain_seconds)),
-                       help="on SIGTERM, how long in-flight calls may finish")
-        p.add_argument("--model-tokenizers", default=env.get("EMBEDMESH_MODEL_TOKENIZERS", ""),
-                       help="name=folder,...: the tokenizer and chat template of each further served model")
-        p.add_argument("--tool-call-parser", default=env.get("EMBEDMESH_TOOL_CALL_PARSER", cls.tool_call_parser),
-                       help="format of tool calls in the model's output: hermes (<tool_call>{...}</tool_call>)")
-        p.add_argument("--lora-load-on-demand", action=argparse.BooleanOptionalAction,
-                       default=env.get("EMBEDMESH_LORA_LOAD_ON_DEMAND", "").lower() in ("1", "true", "yes"),
-                       help="load a known LoRA adapter on the least-loaded worker when a request names it and "
-                            "no worker holds it")
-        a = p.parse_args(argv)
-        workers = tuple(w.strip() for w in a.workers.split(",") if w.strip())
-        model_tokenizers = []
-        for item in (x.strip() for x in a.model_tokenizers.split(",") if x.strip()):
-            name, sep, folder = item.partition("=")
-            if not sep or not name or not folder:
-                p.error(f"--model-tokenizers: {item!r} is not name=folder")
-            model_tokenizers.append((name, folder))
-        try:
-            return cls(a.host, a.port, workers, a.tokenizer, a.max_embeds_bytes, a.max_message_bytes,
-                       metrics_port=a.metrics_port, cache_capacity_bytes=a.cache_capacity_bytes,
-                       redis_url=a.redis_url, upload_ttl_seconds=a.upload_ttl,
-                       routers=tuple(r.strip() for r in a.routers.split(",") if r.strip()), block_size=a.block_size,
-                       max_inflight=a.max_inflight, drain_seconds=a.drain_seconds,
-                       tool_call_parser=a.tool_call_parser, model_tokenizers=tuple(model_tokenizers),
-                       lora_load_on_demand=a.lora_load_on_demand)
-        except ValueError as e:  # a bad value: argparse's usage + message, exit status 2, no traceback
-            p.error(str(e))
-
-    def describe(self) -> dict[str, object]:
-        return asdict(self)

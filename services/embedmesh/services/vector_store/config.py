@@ -1,11 +1,17 @@
 """Vector store configuration: one typed dataclass; CLI flags and ``EMBEDMESH_VECTOR_STORE_*`` env vars are read
-here only."""
+here only.
+
+Each field is a flag ``--field-name`` and a variable ``EMBEDMESH_VECTOR_STORE_<FIELD>`` (``embedmesh.core.config``;
+``--help`` lists them); ``EMBEDMESH_PREPROCESSOR_ADDR`` and ``--no-requeue`` / ``EMBEDMESH_VECTOR_STORE_NO_REQUEUE``
+keep working.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import asdict, dataclass
+
+from embedmesh.core.config import Settings, inverse, option
 
 __all__ = ["VectorStoreConfig", "BACKENDS"]
 
@@ -14,18 +20,21 @@ BACKENDS = ("embedded", "pgvector")
 
 
 @dataclass(frozen=True)
-class VectorStoreConfig:
+class VectorStoreConfig(Settings, service="vector_store", prog="embedmesh-vector-store",
+                        description="Run the embedmesh vector store."):
+    """OpenAI Files + Vector Stores: the backend, the embedding model it calls, chunking and index settings."""
+
     host: str = "127.0.0.1"
     """Interface to bind."""
     port: int = 50101
     """gRPC port (0 = any free port)."""
     data_dir: str = "~/.cache/embedmesh/vector_store"
     """Folder of the embedded backend: the SQLite database (metadata, files, chunks) and one HNSW index per store."""
-    backend: str = "embedded"
+    backend: str = option("embedded", choices=BACKENDS)
     """"embedded" (SQLite + hnswlib on disk) or "pgvector" (everything in PostgreSQL, HNSW cosine index)."""
     postgres_dsn: str = ""
     """libpq connection string of the pgvector backend (e.g. "host=127.0.0.1 port=5432 user=postgres dbname=x")."""
-    inference_addr: str = "127.0.0.1:50051"
+    inference_addr: str = option("127.0.0.1:50051", aliases=("EMBEDMESH_PREPROCESSOR_ADDR",))
     """Address of the mesh's InferenceService (the preprocessor), whose Embed turns text into vectors."""
     embedding_model: str = "all-MiniLM-L6-v2"
     """Embedding model name passed to Embed; stores record it."""
@@ -50,8 +59,10 @@ class VectorStoreConfig:
     """Embedded index: a filtered search whose files hold at most this many chunks is computed exactly."""
     index_flush_seconds: float = 5.0
     """Embedded index: how often changed indexes are written to disk (and always on shutdown)."""
-    requeue_on_start: bool = True
-    """Files found in progress at start-up (the service died mid-ingestion) are ingested again; False = failed."""
+    requeue_on_start: bool = option(True, flags=("--requeue",),
+                                    aliases=(inverse("EMBEDMESH_VECTOR_STORE_NO_REQUEUE"),))
+    """Files found in progress at start-up (the service died mid-ingestion) are ingested again; off
+    (``--no-requeue``) = marked failed."""
     max_message_bytes: int = 512 * MiB
     """Largest gRPC message accepted or sent."""
     metrics_port: int = 0
@@ -76,42 +87,6 @@ class VectorStoreConfig:
             raise ValueError("hnsw_m must be >= 2, ef values >= 1")
         if self.index_flush_seconds <= 0:
             raise ValueError("index_flush_seconds must be > 0")
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> VectorStoreConfig:
-        env = os.environ
-        e = lambda name, default: env.get(f"EMBEDMESH_VECTOR_STORE_{name}", default)  # noqa: E731
-        p = argparse.ArgumentParser(prog="embedmesh-vector-store", description="Run the embedmesh vector store.")
-        p.add_argument("--host", default=e("HOST", cls.host))
-        p.add_argument("--port", type=int, default=int(e("PORT", cls.port)))
-        p.add_argument("--data-dir", default=e("DATA_DIR", cls.data_dir))
-        p.add_argument("--backend", choices=BACKENDS, default=e("BACKEND", cls.backend))
-        p.add_argument("--postgres-dsn", default=e("POSTGRES_DSN", cls.postgres_dsn))
-        p.add_argument("--inference-addr", default=env.get("EMBEDMESH_PREPROCESSOR_ADDR", cls.inference_addr))
-        p.add_argument("--embedding-model", default=e("EMBEDDING_MODEL", cls.embedding_model))
-        p.add_argument("--dimensions", type=int, default=int(e("DIMENSIONS", cls.dimensions)))
-        p.add_argument("--tokenizer", default=e("TOKENIZER", cls.tokenizer))
-        p.add_argument("--embed-batch-size", type=int, default=int(e("EMBED_BATCH_SIZE", cls.embed_batch_size)))
-        p.add_argument("--max-file-bytes", type=int, default=int(e("MAX_FILE_BYTES", cls.max_file_bytes)))
-        p.add_argument("--max-concurrent-ingestions", type=int,
-                       default=int(e("MAX_CONCURRENT_INGESTIONS", cls.max_concurrent_ingestions)))
-        p.add_argument("--hnsw-ef-search", type=int, default=int(e("HNSW_EF_SEARCH", cls.hnsw_ef_search)))
-        p.add_argument("--index-flush-seconds", type=float,
-                       default=float(e("INDEX_FLUSH_SECONDS", cls.index_flush_seconds)))
-        p.add_argument("--no-requeue", action="store_true", default=e("NO_REQUEUE", "") == "1",
-                       help="mark files left in progress by a crash as failed instead of ingesting them again")
-        p.add_argument("--metrics-port", type=int, default=int(e("METRICS_PORT", 0)))
-        a = p.parse_args(argv)
-        try:
-            return cls(host=a.host, port=a.port, data_dir=a.data_dir, backend=a.backend, postgres_dsn=a.postgres_dsn,
-                       inference_addr=a.inference_addr, embedding_model=a.embedding_model, dimensions=a.dimensions,
-                       tokenizer=a.tokenizer, embed_batch_size=a.embed_batch_size, max_file_bytes=a.max_file_bytes,
-                       max_concurrent_ingestions=a.max_concurrent_ingestions, hnsw_ef_search=a.hnsw_ef_search,
-                       index_flush_seconds=a.index_flush_seconds, requeue_on_start=not a.no_requeue,
-                       metrics_port=a.metrics_port)
-        except ValueError as err:
-            p.error(str(err))
-            raise  # unreachable: p.error exits
 
     @property
     def data_path(self) -> str:

@@ -1,0 +1,69 @@
+"""PreprocessorConfig: flags, the preprocessor's own variables, the older names that keep working, bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from embedmesh.services.preprocessor.config import PreprocessorConfig
+
+
+def test_defaults() -> None:
+    assert PreprocessorConfig.from_args([], env={}) == PreprocessorConfig()
+
+
+def test_flags() -> None:
+    c = PreprocessorConfig.from_args(
+        ["--workers", "a:1, b:2", "--routers", "r:1", "--upload-ttl", "60", "--model-tokenizers", "m=/f,n=/g",
+         "--lora-load-on-demand", "--drain-seconds", "2.5", "--max-n", "4", "--tool-call-parser", "hermes"], env={})
+    assert (c.workers, c.routers, c.upload_ttl_seconds, c.drain_seconds, c.max_n) == (("a:1", "b:2"), ("r:1",), 60,
+                                                                                       2.5, 4)
+    assert c.model_tokenizers == (("m", "/f"), ("n", "/g")) and c.lora_load_on_demand is True
+    assert PreprocessorConfig.from_args(["--upload-ttl-seconds", "61"], env={}).upload_ttl_seconds == 61
+
+
+OLD = {"EMBEDMESH_WORKERS": "w:1,w:2", "EMBEDMESH_TOKENIZER": "/tok", "EMBEDMESH_MAX_EMBEDS_BYTES": "2048",
+       "EMBEDMESH_MAX_MESSAGE_BYTES": str(8 << 20), "EMBEDMESH_CACHE_CAPACITY_BYTES": "0", "REDIS_URL": "redis://r",
+       "EMBEDMESH_UPLOAD_TTL_SECONDS": "5", "EMBEDMESH_ROUTERS": "r:1", "EMBEDMESH_BLOCK_SIZE": "32",
+       "EMBEDMESH_DRAIN_GRACE_SECONDS": "7", "EMBEDMESH_MODEL_TOKENIZERS": "m=/f",
+       "EMBEDMESH_TOOL_CALL_PARSER": "hermes",
+       "EMBEDMESH_LORA_LOAD_ON_DEMAND": "TRUE", "EMBEDMESH_PREPROCESSOR_HOST": "0.0.0.0",
+       "EMBEDMESH_PREPROCESSOR_PORT": "1", "EMBEDMESH_PREPROCESSOR_METRICS_PORT": "2",
+       "EMBEDMESH_PREPROCESSOR_MAX_INFLIGHT": "3"}
+
+
+def test_the_variables_operators_set_before_keep_working() -> None:
+    c = PreprocessorConfig.from_args([], env=OLD)
+    assert (c.workers, c.tokenizer, c.max_embeds_bytes, c.max_message_bytes) == (("w:1", "w:2"), "/tok", 2048, 8 << 20)
+    assert (c.cache_capacity_bytes, c.redis_url, c.upload_ttl_seconds, c.routers) == (0, "redis://r", 5, ("r:1",))
+    assert (c.block_size, c.drain_seconds, c.model_tokenizers, c.lora_load_on_demand) == (32, 7.0, (("m", "/f"),), True)
+    assert (c.host, c.port, c.metrics_port, c.max_inflight) == ("0.0.0.0", 1, 2, 3)
+
+
+def test_the_preprocessors_own_variable_beats_the_shared_one_and_a_flag_beats_both() -> None:
+    env = {**OLD, "EMBEDMESH_PREPROCESSOR_DRAIN_SECONDS": "1", "EMBEDMESH_PREPROCESSOR_ROUTERS": "own:1",
+           "EMBEDMESH_PREPROCESSOR_BLOCK_SIZE": "8"}
+    c = PreprocessorConfig.from_args([], env=env)
+    assert (c.drain_seconds, c.routers, c.block_size) == (1.0, ("own:1",), 8)
+    assert PreprocessorConfig.from_args(["--block-size", "4"], env=env).block_size == 4
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--tool-call-parser", "nope"], "tool_call_parser must be one of ['hermes'], got 'nope'"),
+    (["--port", "70000"], "port must be in [0, 65535], got 70000"),
+    (["--workers", ""], "at least one worker address is required"),
+    (["--max-embeds-bytes", "10"], "max_embeds_bytes must be >= 1024"),
+    (["--max-message-bytes", "10"], "max_message_bytes must be >= 4 MiB"),
+    (["--upload-ttl", "0"], "cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1"),
+    (["--block-size", "0"], "block_size must be >= 1"),
+    (["--max-n", "0"], "max_n and max_prompts must be >= 1"),
+    (["--max-inflight", "0"], "max_inflight must be >= 1"),
+    (["--drain-seconds", "-1"], "drain_seconds must be >= 0"),
+    (["--model-tokenizers", "m"], "--model-tokenizers: 'm' is not name=folder"),
+])
+def test_bad_values_are_usage_errors_naming_the_setting(argv: list[str], needle: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        PreprocessorConfig.from_args(argv, env={})
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "usage: embedmesh-preprocessor" in err
