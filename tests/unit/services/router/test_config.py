@@ -56,4 +56,4 @@ def test_a_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
 def test_describe_is_every_field() -> None:
     cfg = RouterConfig(port=0, seed=1)
     assert cfg.describe()["port"] == 0 and cfg.describe()["seed"] == 1
-    assert set(cfg.describe()) == {o.name for o in RouterConfig.options()}
+    assert set(cfg.describe()) == {o.field for o in RouterConfig.options()}

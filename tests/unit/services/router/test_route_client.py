@@ -7,7 +7,7 @@ from prometheus_client import REGISTRY
 
 from embedmesh.services.router.route_client import RouteClient
 from tests.support.mesh import free_port
-from tests.unit.services.router.test_service import FakeWorker, start_router, until
+from tests.unit.services.router.test_servicer import FakeWorker, start_router, until
 
 
 def fallbacks() -> float:

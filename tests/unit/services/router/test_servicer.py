@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -373,15 +371,3 @@ async def test_bad_worker_streams(router: RouterUnderTest, messages: list[Any], 
     assert router.index.blocks_of("w") == 0
     async with FakeWorker([router.address], "ok"):
         assert (await router.route([])).worker_id == "ok", "the router keeps serving"
-
-
-def test_main_prints_its_address() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "embedmesh.services.router.main", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("router listening on 127.0.0.1:") and int(line.rsplit(":", 1)[1]) > 0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
