@@ -1,6 +1,7 @@
 """TieredCache over a real redis-server: chunked round trips, TTL, corruption and truncation detected, entries
 planted or moved by someone with write access to Redis refused (integrity digest keyed with the mesh token), Redis
-going away and coming back, Redis full at maxmemory, single flight."""
+going away and coming back, Redis full at maxmemory, single flight, and the size rule: sizes where the L2 loses to
+computing skip it."""
 
 from __future__ import annotations
 
@@ -260,3 +261,108 @@ async def test_hung_redis_is_skipped_not_waited_on(server: RedisServer, cache: T
     assert cache.l2.available
     cache.l1.delete("h3")
     assert (await cache.get("h3")) is not None
+
+
+PREFIX = "embedmesh:cache:"
+FP32 = tpb.DATA_TYPE_FP32
+
+
+@pytest.fixture
+def r(server: RedisServer) -> redis.Redis:
+    if server.proc is None:
+        server.start()
+    client = redis.Redis.from_url(server.url)
+    client.flushall()
+    return client
+
+
+def float_rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 576), dtype=np.float32)
+
+
+# -- the size rule in the cache: where an L2 read loses to computing, it is skipped ----------------------------
+
+
+def skip_size(cache: TieredCache, nbytes: int) -> None:
+    """Teach the cache's rule that, at this size, an L2 hit is much slower than computing."""
+    for _ in range(cache.rule.min_samples):
+        cache.rule.record_l2(nbytes, 1.0)
+        cache.rule.record_compute(nbytes, 1e-6)
+
+
+async def test_size_rule_skips_l2_where_it_loses(server: RedisServer, r: redis.Redis) -> None:
+    value = CachedTensor(float_rows(455), FP32)  # ~1 MiB
+    writer = TieredCache(CacheConfig(capacity_bytes=64 << 20, redis_url=server.url))
+    assert await writer.put("there", value)  # an entry another replica stored
+    await writer.close()
+
+    cache = TieredCache(CacheConfig(capacity_bytes=64 << 20, redis_url=server.url))
+    skip_size(cache, value.nbytes)
+    calls = 0
+
+    async def compute() -> CachedTensor:
+        nonlocal calls
+        calls += 1
+        return value
+
+    got = await cache.get_or_compute("there", compute)
+    assert calls == 1, "the entry is in Redis, but reading it loses to computing: computed"
+    assert cache.l2 is not None and cache.l2.counters.hits == 0 and cache.l2.counters.skipped == 1
+    assert cache.l2.counters.corrupted == 0 and r.exists(f"{PREFIX}there:h"), "declined, not dropped"
+    assert np.array_equal(got.array, value.array)
+
+    await cache.get_or_compute("new", compute)
+    assert calls == 2 and not r.exists(f"{PREFIX}new:h"), "nor is it written to Redis"
+    assert "new" in cache.l1, "L1 still holds it"
+
+    small = CachedTensor(float_rows(3), FP32)  # another size class: not affected
+    await cache.get_or_compute("small", lambda: asyncio.sleep(0, small))
+    assert r.exists(f"{PREFIX}small:h")
+
+    cache.l1.delete("there")
+    upload = await cache.get("there")  # plain get/put (uploads, nothing to recompute from) always use L2
+    assert upload is not None and cache.l2.counters.hits == 1
+    assert await cache.put("upload", value) and r.exists(f"{PREFIX}upload:h")
+    await cache.close()
+
+
+async def test_size_rule_learns_from_timings(server: RedisServer, r: redis.Redis) -> None:
+    """Slow computations: the L2 stays in use. A slow L2 (here: 50 ms added to every hit): skipped once measured."""
+    cache = TieredCache(CacheConfig(capacity_bytes=64 << 20, redis_url=server.url))
+    assert cache.l2 is not None
+    n = cache.rule.min_samples
+
+    async def slow_compute(i: int) -> CachedTensor:
+        await asyncio.sleep(0.05)
+        return CachedTensor(float_rows(64, seed=i), FP32)
+
+    for _ in range(2):  # first round: misses (computed and stored), second: L2 hits after L1 lost them
+        for i in range(n):
+            cache.l1.delete(f"s{i}")
+            await cache.get_or_compute(f"s{i}", lambda i=i: slow_compute(i))
+    assert cache.rule.use_l2(64 * 576 * 4) and cache.l2.counters.hits == n
+
+    slow_tier_get = cache.l2.get
+
+    async def slow_get(*a: Any, **kw: Any) -> Any:
+        got = await slow_tier_get(*a, **kw)
+        if got is not None:
+            await asyncio.sleep(0.05)
+        return got
+
+    cache.l2.get = slow_get  # type: ignore[method-assign]
+    ready = {i: CachedTensor(float_rows(2000, seed=i), FP32) for i in range(n)}
+
+    async def fast_compute(i: int) -> CachedTensor:
+        return ready[i]
+
+    for _ in range(2):
+        for i in range(n):
+            cache.l1.delete(f"f{i}")
+            await cache.get_or_compute(f"f{i}", lambda i=i: fast_compute(i))
+    assert not cache.rule.use_l2(2000 * 576 * 4)
+    hits, computed = cache.l2.counters.hits, cache.computed
+    cache.l1.delete("f0")
+    await cache.get_or_compute("f0", lambda: fast_compute(0))
+    assert cache.computed == computed + 1 and cache.l2.counters.hits == hits, "skipped now: computed again"
+    await cache.close()
