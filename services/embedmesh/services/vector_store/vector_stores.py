@@ -43,7 +43,7 @@ from embedmesh.services.vector_store.objects import (
     VectorStore,
     VectorStoreFile,
 )
-from embedmesh.services.vector_store.store import MetadataStore
+from embedmesh.services.vector_store.store import MetadataStore, now
 
 __all__ = ["VectorStores", "BatchItem", "build"]
 
@@ -53,6 +53,8 @@ RANKERS = ("", "auto", "default-2024-11-15", "none")
 MAX_RESULTS = 50
 MAX_QUERIES = 16
 MAX_METADATA = 16
+SEARCH_TOUCH_SECONDS = 60
+"""A search records activity (expiry counts from it) when the last record is at least this old."""
 
 BatchItem = tuple[str, Attributes, ChunkingSpec | None]
 
@@ -289,7 +291,8 @@ class VectorStores:
             hits.append(SearchHit(row.file_id, row.filename, score, row.attributes, row.text, cid))
             if len(hits) == max_num_results:
                 break
-        await self.db.run(self.store.touch_store, store_id, 60)
+        if now() - store.last_active_at >= SEARCH_TOUCH_SECONDS:  # touch_store's own test, without a db round trip
+            await self.db.run(self.store.touch_store, store_id, SEARCH_TOUCH_SECONDS)
         return searched, hits
 
     async def _query_vectors(self, store: VectorStore, queries: list[str], vector: np.ndarray | None,
