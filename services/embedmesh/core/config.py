@@ -77,23 +77,27 @@ class _Option:
     choices: tuple[Any, ...] | None = None
     metavar: str | None = None
     nargs: str | None = None
+    repeat: bool = False
 
 
 def option(default: Any = dataclasses.MISSING, *, flags: Sequence[str] = (), env: str | None = None,
            aliases: Sequence[str | Inverse] = (), help: str | None = None, choices: Sequence[Any] | None = None,
-           metavar: str | None = None, nargs: str | None = None) -> Any:
+           metavar: str | None = None, nargs: str | None = None, repeat: bool = False) -> Any:
     """A dataclass field with more than the defaults of :class:`Settings`.
 
     ``flags``: further spellings of the flag, accepted besides ``--field-name`` (the older flags keep working);
     ``env``: the variable's name when it is not ``EMBEDMESH_<SERVICE>_<FIELD>``; ``aliases``: older or shared
     variables also read (after the main one; :func:`inverse` for a bool's opposite); ``help``: instead of the
     field's docstring; ``choices``: the allowed values; ``metavar``: one item's form (``name=folder``) for tuples,
-    the value's name otherwise; ``nargs="*"``: a tuple given as separate arguments (and a space-separated variable).
+    the value's name otherwise; ``nargs="*"``: a tuple given as separate arguments (and a space-separated variable);
+    ``repeat``: a tuple given by repeating the flag (``--model a --model b``; the variable is a comma list).
     """
     if nargs not in (None, "*"):
         raise ValueError(f"nargs must be None or '*', got {nargs!r}")
+    if nargs and repeat:
+        raise ValueError("nargs and repeat exclude each other")
     meta = {_KEY: _Option(tuple(flags), env, tuple(aliases), help, None if choices is None else tuple(choices),
-                          metavar, nargs)}
+                          metavar, nargs, repeat)}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -137,10 +141,10 @@ class Settings:
     def parser(cls) -> argparse.ArgumentParser:
         """The command line of this config: one flag per field, the variables and defaults in each help."""
         p = argparse.ArgumentParser(
-            prog=cls._prog, description=cls._description,
-            epilog="Each flag also reads its environment variable (env:); a flag beats its variable, the first "
-                   "variable named beats the later ones (also:), and a variable beats the default. A variable set "
-                   "to the empty string counts as unset.")
+            prog=cls._prog, description=cls._description, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="Each flag also reads its environment variable (env:); a flag beats its variable, the first\n"
+                   "variable named beats the later ones (also:), and a variable beats the default. A variable\n"
+                   "set to the empty string counts as unset.")
         add_arguments(p, cls)
         return p
 
@@ -302,6 +306,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
     for f in _fields(cls):
         also = ", ".join(a.lstrip("!") + (" (inverse)" if a.startswith("!") else "") for a in _alias_names(f))
         text = f.help.rstrip(".") + "." if f.help else ""
+        if f.opt.repeat:
+            text += " Repeat the flag for more; the variable is a comma list."
         text += f" [env: {f.env}" + (f"; also: {also}" if also else "") + f"] (default: {_show(f, f.default)})"
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": text.strip().replace("%", "%%")}
         if f.kind == "bool":
@@ -310,6 +316,9 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             item = f.opt.metavar or ("NAME=VALUE" if f.kind == "pairs" else "VALUE")
             if f.opt.nargs:
                 kw["nargs"] = "*"
+                kw["metavar"] = item
+            elif f.opt.repeat:
+                kw["action"] = "append"
                 kw["metavar"] = item
             else:
                 kw["metavar"] = f"{item}[,...]"
@@ -333,7 +342,7 @@ def read_values(cls: type, ns: argparse.Namespace, env: Mapping[str, str],
         if hasattr(ns, f.name):
             raw = getattr(ns, f.name)
             if f.kind in ("list", "pairs"):
-                items = raw if f.opt.nargs else raw.split(",")
+                items = raw if f.opt.nargs or f.opt.repeat else raw.split(",")
                 values[f.name] = _items(f, items, f.flags[0], parser)
             else:
                 values[f.name] = raw

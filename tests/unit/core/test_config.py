@@ -34,6 +34,8 @@ class Demo(Settings, service="demo", prog="demo", description="A demo process.")
     """Further models."""
     modules: tuple[tuple[str, str], ...] = option((), nargs="*", metavar="NAME=PATH")
     """Adapters to load."""
+    models_each: tuple[str, ...] = option(("m0",), repeat=True, metavar="MODEL")
+    """Models, one flag each."""
     backend: str = option("a", choices=("a", "b"))
     """Which backend."""
     note: str = option("", help="Given in metadata.")
@@ -68,6 +70,12 @@ def test_flags_are_the_field_names_and_convert_by_type() -> None:
     assert (c.timeout_seconds, c.addr, c.routers) == (3.0, "x:1", ("a:1", "b:2"))
     assert c.models == (("m", "/f"), ("n", "/g")) and c.modules == (("l1", "p1"), ("l2", "p2"))
     assert (c.backend, c.note) == ("b", "hi")
+
+
+def test_a_repeated_flag_gives_a_tuple_and_its_variable_a_comma_list() -> None:
+    assert parse([]).models_each == ("m0",)
+    assert parse(["--models-each", "a,b", "--models-each", "c"]).models_each == ("a,b", "c")
+    assert parse([], {"EMBEDMESH_DEMO_MODELS_EACH": "x, y"}).models_each == ("x", "y")
 
 
 def test_older_flag_spellings_keep_working() -> None:
