@@ -1,5 +1,5 @@
-"""The gRPC service end to end with the fake embedder, on both backends: files, stores, ingestion, search with
-filters, batches, paging, and a table of bad inputs after which the service keeps serving."""
+"""vector_store.servicer: the gRPC service end to end with the fake embedder, on both backends: files, stores,
+ingestion, search with filters, batches, paging, and a table of bad inputs after which the service keeps serving."""
 
 from __future__ import annotations
 
