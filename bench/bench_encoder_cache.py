@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from embedmesh.core.embeds import ModelSpec, validate_embeds  # noqa: E402
 from embedmesh.core.tensor_codec import decode_tensor_bytes  # noqa: E402
 from embedmesh.services.encoder_cache.tiered import CacheConfig, CachedTensor, TieredCache  # noqa: E402
-from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds  # noqa: E402
+from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds  # noqa: E402
 from embedmesh.tensor.v1 import tensor_pb2  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 

@@ -191,7 +191,7 @@ def test_float64_to_bf16_rounds_through_float32_like_torch() -> None:
 
 async def test_resolver_caches_payloads_under_server_computed_validated_keys() -> None:
     from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
-    from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds
+    from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
 
     cache = TieredCache(CacheConfig(capacity_bytes=8 << 20))
     resolve = EmbedsResolver(cache, FP32, 1 << 20, 4)
@@ -209,7 +209,7 @@ async def test_resolver_uses_upload_ids_in_the_callers_tenant_only_and_revalidat
     from embedmesh.core.errors import EmbedmeshError
     from embedmesh.services.encoder_cache.keys import tenant_key
     from embedmesh.services.encoder_cache.tiered import CacheConfig, CachedTensor, TieredCache
-    from embedmesh.services.preprocessor.prompts import EmbedsResolver, RawEmbeds
+    from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
 
     cache = TieredCache(CacheConfig(capacity_bytes=8 << 20))
     resolve = EmbedsResolver(cache, FP32, 1 << 20, 4)

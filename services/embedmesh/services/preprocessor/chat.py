@@ -23,7 +23,7 @@ import numpy as np
 
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_context
+from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
 
 __all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "ROLES"]
@@ -155,4 +155,4 @@ def build_chat_prompt(
     if used != len(slots):
         raise InvalidArgument("messages: the chat template dropped an embeddings part (a role it does not render?)",
                               field="messages", reason="EMBEDS_NOT_RENDERED")
-    return check_context(Prompt(tuple(p for p in pieces if len(p))), spec, "messages", max_tokens)
+    return check_prompt(Prompt(tuple(p for p in pieces if len(p))), spec, "messages", max_tokens)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
-from prometheus_client import Counter, Histogram
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import wire
@@ -27,6 +26,14 @@ from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import SamplingParams, choice_seed, sampling_to_proto
+from embedmesh.services.preprocessor.metrics import (
+    GENERATED_TOKENS,
+    PROMPT_TOKENS,
+    REQUEST_TOKENS_PER_SECOND,
+    TTFT,
+    WORKER_FAILURES,
+    WORKER_RETRIES,
+)
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
@@ -36,19 +43,6 @@ from embedmesh.worker.v1 import worker_pb2
 __all__ = ["Job", "Delta", "run_job"]
 
 log = get_logger(__name__)
-
-TTFT = Histogram("embedmesh_time_to_first_token_seconds", "Request start to the first generated text, per model",
-                 ["model"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
-PROMPT_TOKENS = Counter("embedmesh_prompt_tokens_total", "Prompt positions (text tokens + embedding rows)",
-                        ["model", "kind"])
-GENERATED_TOKENS = Counter("embedmesh_generated_tokens_total", "Tokens generated, per model", ["model"])
-WORKER_RETRIES = Counter("embedmesh_worker_retries_total", "Sequences sent to a second worker because the first "
-                         "failed, refused or aborted them before any output", ["reason"])
-WORKER_FAILURES = Counter("embedmesh_worker_call_failures_total", "Calls to workers that failed, by gRPC code",
-                          ["code"])
-REQUEST_TOKENS_PER_SECOND = Histogram("embedmesh_request_tokens_per_second", "Decode speed seen by one request",
-                                      ["model"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
-
 
 @dataclass(frozen=True)
 class Job:

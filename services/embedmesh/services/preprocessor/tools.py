@@ -20,7 +20,8 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import Structured
 from embedmesh.inference.v1 import inference_pb2
 
-__all__ = ["Tool", "ToolSpec", "tools_from_proto", "PARSERS", "ToolParser", "call_text", "tool_response_text"]
+__all__ = ["Tool", "ToolSpec", "ToolRequest", "tool_request_from_proto", "check_tools", "tools_from_proto",
+           "PARSERS", "ToolParser", "call_text", "tool_response_text"]
 
 PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -66,29 +67,48 @@ class ToolSpec:
         return "\n".join(lines)
 
 
-def tools_from_proto(params: inference_pb2.ChatParams) -> ToolSpec | None:
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools and tool_choice of a chat request as sent, not checked yet (``check_tools`` checks them)."""
+
+    tools: tuple[tuple[str, str, str], ...] = ()
+    """(name, description, parameters as JSON text) per tool, in request order."""
+    choice: str | None = None
+    """Which tool_choice was set: "mode", "function", or None (unset)."""
+    mode: str = "auto"
+    function: str = ""
+
+
+def tool_request_from_proto(params: inference_pb2.ChatParams) -> ToolRequest:
+    """Read the request's tools and tool_choice (nothing is refused here)."""
+    kind = params.tool_choice.WhichOneof("kind") if params.HasField("tool_choice") else None
+    mode = params.tool_choice.mode if kind == "mode" else ("function" if kind == "function" else "auto")
+    return ToolRequest(tools=tuple((t.name, t.description, t.parameters_json) for t in params.tools), choice=kind,
+                       mode=mode, function=params.tool_choice.function if kind == "function" else "")
+
+
+def check_tools(request: ToolRequest) -> ToolSpec | None:
     """The request's tools, checked (a gRPC client is checked like a REST one); None when no call may be made."""
     tools: list[Tool] = []
     seen: set[str] = set()
-    for i, t in enumerate(params.tools):
-        if not _NAME.match(t.name):
+    for i, (name, description, parameters_json) in enumerate(request.tools):
+        if not _NAME.match(name):
             raise InvalidArgument(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'",
                                   field=f"tools[{i}].function.name", reason="INVALID_NAME")
-        if t.name in seen:
-            raise InvalidArgument(f"tools[{i}].function.name {t.name!r} is given twice",
+        if name in seen:
+            raise InvalidArgument(f"tools[{i}].function.name {name!r} is given twice",
                                   field=f"tools[{i}].function.name", reason="DUPLICATE")
-        seen.add(t.name)
+        seen.add(name)
         try:
-            parameters = json.loads(t.parameters_json) if t.parameters_json else {"type": "object", "properties": {}}
+            parameters = json.loads(parameters_json) if parameters_json else {"type": "object", "properties": {}}
         except ValueError:
             raise InvalidArgument(f"tools[{i}].function.parameters is not valid JSON",
                                   field=f"tools[{i}].function.parameters", reason="INVALID_SCHEMA") from None
         if not isinstance(parameters, dict):
             raise InvalidArgument(f"tools[{i}].function.parameters must be a JSON schema object",
                                   field=f"tools[{i}].function.parameters", reason="INVALID_SCHEMA")
-        tools.append(Tool(t.name, t.description, parameters))
-    kind = params.tool_choice.WhichOneof("kind") if params.HasField("tool_choice") else None
-    mode = params.tool_choice.mode if kind == "mode" else ("function" if kind == "function" else "auto")
+        tools.append(Tool(name, description, parameters))
+    kind, mode = request.choice, request.mode
     if mode not in ("none", "auto", "required", "function"):
         raise InvalidArgument(f"tool_choice must be 'none', 'auto', 'required' or a function, got {mode!r}",
                               field="tool_choice", reason="INVALID_VALUE")
@@ -98,11 +118,16 @@ def tools_from_proto(params: inference_pb2.ChatParams) -> ToolSpec | None:
         return None
     if mode == "none":
         return None
-    function = params.tool_choice.function if kind == "function" else ""
+    function = request.function
     if function and function not in seen:
         raise InvalidArgument(f"tool_choice names {function!r}, which is not among the tools",
                               field="tool_choice", reason="UNKNOWN_FUNCTION")
     return ToolSpec(tuple(tools), mode, function)
+
+
+def tools_from_proto(params: inference_pb2.ChatParams) -> ToolSpec | None:
+    """``check_tools`` of the request's tools as sent."""
+    return check_tools(tool_request_from_proto(params))
 
 
 def call_text(name: str, arguments: str) -> str:

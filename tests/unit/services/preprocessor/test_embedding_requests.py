@@ -14,8 +14,8 @@ import pytest
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument, to_status
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
-from embedmesh.services.preprocessor import embeddings
-from embedmesh.services.preprocessor.embeddings import MAX_INPUTS, EmbedModelSpec, embed_inputs, validate_inputs
+from embedmesh.services.preprocessor import embedding_requests
+from embedmesh.services.preprocessor.embedding_requests import MAX_INPUTS, EmbedModelSpec, embed_inputs, validate_inputs
 from embedmesh.worker.v1 import worker_pb2
 
 DIM = 8
@@ -116,7 +116,7 @@ async def test_only_missing_inputs_are_sent_and_duplicates_once(cache: TieredCac
 
 
 async def test_cache_key_separates_model_dimensions_and_kind() -> None:
-    k = embeddings.cache_key
+    k = embedding_requests.cache_key
     assert len({k("m", None, "12"), k("n", None, "12"), k("m", 4, "12"), k("m", None, [12])}) == 4
     assert k("m", None, [1, 2]) == k("m", None, [1, 2])
 
@@ -150,7 +150,7 @@ async def test_concurrent_requests_for_the_same_input_compute_it_once(cache: Tie
 
 
 async def test_large_requests_fan_out_in_chunks(cache: TieredCache, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(embeddings, "INPUTS_PER_CALL", 4)
+    monkeypatch.setattr(embedding_requests, "INPUTS_PER_CALL", 4)
     pool = _Pool(n=2)
     inputs = [f"text {i}" for i in range(10)]
     vecs, _ = await embed_inputs(pool, cache, "mini", inputs, None)  # type: ignore[arg-type]
