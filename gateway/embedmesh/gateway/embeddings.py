@@ -20,61 +20,21 @@ from starlette.routing import Route
 
 from embedmesh.core import tensors
 from embedmesh.gateway.context import Gateway
-from embedmesh.gateway.errors import bad_request, from_grpc
+from embedmesh.gateway.errors import from_grpc
+from embedmesh.gateway.requests import EmbeddingsRequest, parse
 from embedmesh.inference.v1 import inference_pb2
 
 __all__ = ["routes"]
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _token_ids(ids: list[int], name: str) -> inference_pb2.TokenIds:
-    # The wire type is int32; the vocabulary check (negative, too large) is the preprocessor's.
-    if any(not -(2**31) <= t < 2**31 for t in ids):
-        raise bad_request(name, "token ids must fit in int32", "invalid_value")
-    return inference_pb2.TokenIds(ids=ids)
-
-
-_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
-"""Every field /v1/embeddings accepts (``user`` is accepted and ignored); any other is a 400 naming it."""
-
-
 def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str]:
-    """The public gRPC request for an OpenAI body, and the encoding the response must use."""
-    for name in body:
-        if name not in _FIELDS:
-            raise bad_request(name, "is not a parameter this server knows; remove it (see docs/openai-fields.md "
-                                    "for the accepted ones)", "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("model", "is required (an embedding model; see GET /v1/models)", "missing")
-    req = inference_pb2.EmbedRequest(model=model)
-    raw = body.get("input")
-    if isinstance(raw, str):
-        req.inputs.append(inference_pb2.EmbedInput(text=raw))
-    elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
-        req.inputs.extend(inference_pb2.EmbedInput(text=x) for x in raw)
-    elif isinstance(raw, list) and raw and all(_is_int(x) for x in raw):
-        req.inputs.append(inference_pb2.EmbedInput(token_ids=_token_ids(raw, "input")))
-    elif isinstance(raw, list) and raw and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in raw):
-        req.inputs.extend(inference_pb2.EmbedInput(token_ids=_token_ids(x, "input" if len(raw) == 1 else f"input[{i}]"))
-                          for i, x in enumerate(raw))
-    elif raw == [] or raw is None:
-        raise bad_request("input", "must not be empty", "missing")
-    else:
-        raise bad_request("input", "must be a string, a list of strings, a list of token ids or a list of token-id "
-                                   "lists", "invalid_type")
-    fmt = body.get("encoding_format", "float") or "float"
-    if fmt not in ("float", "base64"):
-        raise bad_request("encoding_format", f"must be 'float' or 'base64', got {fmt!r}", "invalid_value")
-    dims = body.get("dimensions")
-    if dims is not None:
-        if not _is_int(dims) or not 1 <= dims < 2**31:
-            raise bad_request("dimensions", "must be a positive integer", "invalid_value")
-        req.dimensions = dims
-    return req, fmt
+    """The public gRPC request for an OpenAI body (checked as ``requests.EmbeddingsRequest``), and the encoding the
+    response must use."""
+    r = parse(EmbeddingsRequest, body)
+    req = inference_pb2.EmbedRequest(model=r.model, inputs=r.input)
+    if r.dimensions is not None:
+        req.dimensions = r.dimensions
+    return req, r.encoding_format
 
 
 def routes(gateway: Gateway) -> list[Route]:

@@ -6,8 +6,6 @@ key (with keys configured), so the gateway holds no privilege of its own. A load
 
 from __future__ import annotations
 
-from typing import Any
-
 import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -15,6 +13,7 @@ from starlette.routing import Route
 
 from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import bad_request, from_grpc
+from embedmesh.gateway.requests import LoadLoraRequest, UnloadLoraRequest, parse
 from embedmesh.inference.v1 import inference_pb2
 
 __all__ = ["routes"]
@@ -22,30 +21,10 @@ __all__ = ["routes"]
 _TIMEOUT_S = 600.0
 
 
-def _string(body: dict[str, Any], name: str, required: bool = True) -> str:
-    value = body.get(name)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or not value:
-        raise bad_request(name, "is required (a non-empty string)", "missing" if value is None else "invalid_type")
-    return value
-
-
-def _only(body: dict[str, Any], known: set[str]) -> None:
-    for name in body:
-        if name not in known:
-            raise bad_request(name, "is not a parameter of this route", "unknown_parameter")
-
-
 def routes(gw: Gateway) -> list[Route]:
     async def load(request: Request) -> Response:
-        body = await gw.read_json(request)
-        _only(body, {"lora_name", "lora_path", "workers", "load_inplace"})
-        workers = body.get("workers") or []
-        if not isinstance(workers, list) or not all(isinstance(w, str) for w in workers):
-            raise bad_request("workers", "must be a list of worker ids (see /health)", "invalid_type")
-        req = inference_pb2.LoadLoraAdapterRequest(lora_name=_string(body, "lora_name"),
-                                                   lora_path=_string(body, "lora_path"), workers=workers)
+        r = parse(LoadLoraRequest, await gw.read_json(request))
+        req = inference_pb2.LoadLoraAdapterRequest(lora_name=r.lora_name, lora_path=r.lora_path, workers=r.workers)
         try:
             await gw.stub.LoadLoraAdapter(req, timeout=_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
@@ -53,9 +32,8 @@ def routes(gw: Gateway) -> list[Route]:
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     async def unload(request: Request) -> Response:
-        body = await gw.read_json(request)
-        _only(body, {"lora_name", "lora_int_id"})
-        req = inference_pb2.UnloadLoraAdapterRequest(lora_name=_string(body, "lora_name"))
+        r = parse(UnloadLoraRequest, await gw.read_json(request))
+        req = inference_pb2.UnloadLoraAdapterRequest(lora_name=r.lora_name)
         try:
             await gw.stub.UnloadLoraAdapter(req, timeout=_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
