@@ -1,14 +1,13 @@
 """Worker bootstrap: parse config, build the configured engine through the registry (``engines/registry.py``),
-serve it (NOT_SERVING until the model is loaded)."""
+serve it (NOT_SERVING until the model is loaded). No engine is named here: what an engine offers beyond the
+``Engine`` interface (KV events, KV usage, its own metrics, LoRA) is asked of the engine through its optional hooks."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
@@ -23,9 +22,6 @@ from embedmesh.services.worker.router_link import LoadReport, RouterLink
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.services.worker.watchdog import Watchdog
 from embedmesh.worker.v1 import worker_pb2_grpc
-
-if TYPE_CHECKING:
-    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
 log = get_logger("embedmesh.worker")
 
@@ -42,11 +38,6 @@ async def serve(config: WorkerConfig) -> None:
                SERVICE_NAME)
     server.on_drain(engine.shutdown)
     register_engine_metrics(engine, worker_id)
-    vllm = _as_vllm(engine)
-    if vllm is not None:
-        from embedmesh.services.worker.engines.vllm.metrics import register_vllm_metrics
-
-        register_vllm_metrics(vllm.engine_metrics, vllm.kv_event_counters, worker_id)
     await server.start()
     server.install_signal_handlers()
     print(f"worker {worker_id} listening on {server.address} (loading {config.engine} engine)", flush=True)
@@ -62,23 +53,19 @@ async def serve(config: WorkerConfig) -> None:
     log.info("serving", extra={"model": info.model, "engine": info.engine, "worker_id": worker_id})
     print(f"worker {worker_id} serving model {info.model!r} on {server.address}", flush=True)
     if config.routers and info.task == "generate":
-        publishes = vllm is not None and vllm.publishes_kv_events
+        from embedmesh.core.kv_events import to_proto
+
+        source = engine.kv_event_source()
         link = RouterLink(
             config.routers,
             router_pb2.Registration(worker_id=worker_id, address=config.advertise or server.address, model=info.model,
-                                    block_size=config.block_size, engine=info.engine, publishes_kv_events=publishes),
-            load=lambda: LoadReport(engine.stats().active_requests,
-                                    vllm.engine_metrics().kv_usage if vllm is not None else 0.0,
-                                    tuple(engine.lora_names())),
-            snapshot=_kv_snapshot(vllm) if publishes else None,
+                                    block_size=config.block_size, engine=info.engine,
+                                    publishes_kv_events=source is not None),
+            load=lambda: LoadReport(engine.stats().active_requests, engine.kv_usage(), tuple(engine.lora_names())),
+            snapshot=(lambda: to_proto(source.kv_snapshot())) if source is not None else None,
         )
-        if publishes:
-            from embedmesh.core.kv_events import to_proto
-
-            assert vllm is not None
-            vllm.on_kv_events(lambda events: link.publish(to_proto(events)))
-            if config.kv_events_log:
-                vllm.on_kv_events(_events_log(config.kv_events_log))
+        if source is not None:
+            source.on_kv_events(lambda events: link.publish(to_proto(events)))
         link.start()
         watchdog.add_on_trip(link.close)
         # Leave the routers as soon as a drain starts: no new work arrives while in-flight streams finish.
@@ -100,35 +87,6 @@ async def _load_lora_modules(engine: Engine, config: WorkerConfig, lora_root: Pa
         except EmbedmeshError as e:
             raise SystemExit(f"--lora-modules {name}={path}: {e}") from None
         log.info("LoRA adapter loaded", extra={"adapter": name, "path": str(folder)})
-
-
-def _events_log(path: str) -> Callable[[list[Any]], None]:
-    """A KV-event listener appending each translated event to ``path`` as a JSON line."""
-    import json
-
-    from embedmesh.services.worker.engines.vllm.kv_events import event_rows
-
-    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life, line-buffered
-    log.info("writing KV events", extra={"path": path})
-
-    def write(events: list[Any]) -> None:
-        out.writelines(json.dumps(row) + "\n" for row in event_rows(events))
-
-    return write
-
-
-def _as_vllm(engine: Engine) -> VLLMEngine | None:
-    """The engine as a VLLMEngine (KV events, vLLM's scheduler metrics), or None for other engines."""
-    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
-
-    return engine if isinstance(engine, VLLMEngine) else None
-
-
-def _kv_snapshot(engine: VLLMEngine | None) -> Callable[[], list[router_pb2.KvEvent]]:
-    from embedmesh.core.kv_events import to_proto
-
-    assert engine is not None
-    return lambda: to_proto(engine.kv_snapshot())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,4 +41,9 @@ class _EngineCollector(Collector):
 
 
 def register_engine_metrics(engine: Engine, worker_id: str) -> None:
+    """The worker's view of any engine, plus the engine's own figures where it offers them
+    (``Engine.metrics_collector``)."""
     REGISTRY.register(_EngineCollector(engine, worker_id))
+    own = engine.metrics_collector(worker_id)
+    if own is not None:
+        REGISTRY.register(own)

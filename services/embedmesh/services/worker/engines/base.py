@@ -1,8 +1,10 @@
 """The one interface every worker engine implements (hf, vllm, sglang, echo).
 
 Domain types only: no protobuf here. The worker's servicer converts messages to these and back.
-Optional capabilities (embeddings, LoRA, sleep) are concrete methods raising ``NotImplementedError`` so that
-adding one breaks no engine.
+Optional capabilities are concrete methods with a default that declines, so that adding one breaks no engine:
+embeddings, LoRA, sleep and KV-block clearing raise ``NotImplementedError`` (the servicer answers
+FAILED_PRECONDITION); KV events (``kv_event_source``), KV usage (``kv_usage``) and engine metrics
+(``metrics_collector``) answer None/0 and ``worker/main.py`` wires what an engine offers, naming no engine.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from embedmesh.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import Collector
+
+    from embedmesh.core.kv_events import KvEvent
 
 __all__ = [
     "load_once",
@@ -30,6 +38,7 @@ __all__ = [
     "ModelInfo",
     "EngineStats",
     "EngineProgress",
+    "KvEventSource",
     "Engine",
 ]
 
@@ -147,6 +156,17 @@ class EngineProgress:
     """Why the engine can serve no more (its thread died), or None while it can."""
 
 
+class KvEventSource(Protocol):
+    """What an engine that reports its KV cache offers (``Engine.kv_event_source``): the routers get its events
+    live and a snapshot when they re-sync."""
+
+    def on_kv_events(self, listener: Callable[[list[KvEvent]], None]) -> None:
+        """Call ``listener`` (on the event loop) with each batch of events, in the mesh's block hashes."""
+
+    def kv_snapshot(self) -> list[KvEvent]:
+        """Every block held now, as stored events."""
+
+
 class Engine(ABC):
     """An inference engine behind a worker."""
 
@@ -224,6 +244,20 @@ class Engine(ABC):
 
     async def clear_kv_blocks(self) -> bool:
         raise NotImplementedError
+
+    # --- routing and metrics (optional; the worker wires what an engine offers) -------------------------------
+    def kv_event_source(self) -> KvEventSource | None:
+        """The engine's KV cache events for the routers, or None (this default): the routers track this worker's
+        cache approximately from the requests they route."""
+        return None
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use (0..1), reported to the routers with the load; 0 when not known."""
+        return 0.0
+
+    def metrics_collector(self, worker_id: str) -> Collector | None:
+        """A Prometheus collector of the engine's own figures, registered beside the worker's; None by default."""
+        return None
 
     async def embed(self, inputs: list[str | list[int]],
                     dimensions: int | None = None) -> tuple[np.ndarray, list[int]]:

@@ -2,9 +2,10 @@
 what it serves. ``worker/main.py`` builds engines only through ``build_engine``; the worker's config checks
 ``--engine`` against ``names()``; the launcher asks ``venv_of`` which interpreter a worker needs.
 
-Adding an engine = a module under ``worker/engines/`` with an ``Engine`` subclass, plus one ``register`` call
-below (see docs/ARCHITECTURE.md). Factories import their engine lazily: a worker loads only the libraries of the
-engine it runs (torch for hf, vllm in its own venv, ...).
+Adding an engine = one folder under ``worker/engines/`` (its ``Engine`` subclass, its options dataclass in
+``config.py``, a ``build`` factory in ``__init__.py``) plus one ``register`` line below (see docs/ARCHITECTURE.md).
+Importing a folder loads only its options; ``build`` imports the engine lazily, so a worker loads only the libraries
+of the engine it runs (torch for hf, vllm in its own venv, ...).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from embedmesh.services.worker.engines import echo, hf, hf_embed, sglang, vllm
+
 if TYPE_CHECKING:
     from embedmesh.services.worker.config import WorkerConfig
     from embedmesh.services.worker.engines.base import Engine
+    from embedmesh.services.worker.engines.options import EngineOptions
 
 __all__ = ["EngineSpec", "register", "names", "spec", "build_engine", "venv_of", "UnknownEngine"]
 
@@ -28,9 +32,12 @@ class UnknownEngine(ValueError):
 class EngineSpec:
     name: str
     build: Callable[[WorkerConfig], Engine]
-    """Engine from the worker's config (imports the engine module lazily)."""
+    """Engine from the worker's config (imports the engine module lazily); its own options are
+    ``config.options_as(<options class>)``."""
     summary: str
     """One line for --help and the README."""
+    options: type[EngineOptions] | None = None
+    """The engine's options dataclass (``<folder>/config.py``): its fields become worker flags."""
     venv: str | None = None
     """Launcher flag naming the venv the engine runs in (``--vllm-venv``), or None: this checkout's venv."""
     tasks: tuple[str, ...] = ("generate",)
@@ -71,67 +78,13 @@ def venv_of(name: str) -> str | None:
 
 # --- the engines ---------------------------------------------------------------------------------------------
 
-
-def _served(config: WorkerConfig, path_name: str, default: str) -> str:
-    return config.served_name or (default if config.model in ("default", default) else path_name)
-
-
-def _hf(config: WorkerConfig) -> Engine:
-    from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
-
-    path = resolve_model_path(config.model)
-    return HFEngine(HFEngineConfig(path, _served(config, path.name, DEFAULT_MODEL), config.max_batch_size,
-                                   config.threads, config.dtype))
-
-
-def _hf_embed(config: WorkerConfig) -> Engine:
-    from pathlib import Path
-
-    from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
-    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
-
-    default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
-    folder = minilm_dir() if default else Path(config.model)
-    return HFEmbedEngine(HFEmbedConfig(folder, _served(config, folder.name, DEFAULT_EMBEDDING_MODEL),
-                                       threads=config.threads))
-
-
-def _vllm(config: WorkerConfig) -> Engine:
-    from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
-    from embedmesh.services.worker.engines.vllm.engine import VLLMConfig, VLLMEngine
-
-    path = resolve_model_path(config.model)
-    return VLLMEngine(VLLMConfig(path, _served(config, path.name, DEFAULT_MODEL), dtype=config.dtype,
-                                 max_model_len=config.max_model_len,
-                                 gpu_memory_utilization=config.gpu_memory_utilization,
-                                 tensor_parallel_size=config.tensor_parallel_size,
-                                 max_num_seqs=config.max_batch_size, enable_lora=config.enable_lora,
-                                 block_size=config.vllm_block_size or None,
-                                 kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
-                                 kv_events=config.kv_events and bool(config.routers),
-                                 kv_event_block_size=config.block_size,
-                                 ready_timeout_seconds=config.ready_timeout,
-                                 enable_sleep_mode=config.enable_sleep_mode))
-
-
-def _sglang(config: WorkerConfig) -> Engine:
-    from embedmesh.services.worker.engines.sglang.engine import from_worker_config
-
-    return from_worker_config(config)
-
-
-def _echo(config: WorkerConfig) -> Engine:
-    from embedmesh.services.worker.engines.echo.engine import EchoEngine
-
-    return EchoEngine(config.served_name or "echo", hidden_size=config.hidden_size)
-
-
-register(EngineSpec("hf", _hf, "transformers causal LM on the CPU with continuous batching (the default)"))
-register(EngineSpec("hf-embed", _hf_embed, "sentence-transformers embedding model (/v1/embeddings)",
-                    tasks=("embed",)))
-register(EngineSpec("vllm", _vllm, "vLLM's AsyncLLM (CPU build here; GPU in production)", venv="--vllm-venv",
-                    venv_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)))
-register(EngineSpec("sglang", _sglang, "SGLang's Engine (embeddings on CPU; generation on GPU)",
-                    venv="--sglang-venv", tasks=("embed", "generate")))
-register(EngineSpec("echo", _echo, "no model: echoes the prompt (overhead benchmarks)"))
+register(EngineSpec("hf", hf.build, "transformers causal LM on the CPU with continuous batching (the default)",
+                    options=hf.HFOptions))
+register(EngineSpec("hf-embed", hf_embed.build, "sentence-transformers embedding model (/v1/embeddings)",
+                    options=hf_embed.HFEmbedOptions, tasks=("embed",)))
+register(EngineSpec("vllm", vllm.build, "vLLM's AsyncLLM (CPU build here; GPU in production)",
+                    options=vllm.VLLMOptions, venv="--vllm-venv", venv_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)))
+register(EngineSpec("sglang", sglang.build, "SGLang's Engine (embeddings on CPU; generation on GPU)",
+                    options=sglang.SGLangOptions, venv="--sglang-venv", tasks=("embed", "generate")))
+register(EngineSpec("echo", echo.build, "no model: echoes the prompt (overhead benchmarks)",
+                    options=echo.EchoOptions))

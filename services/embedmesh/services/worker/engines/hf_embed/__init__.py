@@ -1,2 +1,27 @@
-"""The ``hf-embed`` engine: a sentence-transformers embedding model run with transformers (``engine.py``); its input
-rules are shared with sglang in ``engines/embed_inputs.py``."""
+"""The ``hf-embed`` engine: a sentence-transformers embedding model run with transformers (``engine.py``), its
+options (``config.py``); its input rules are shared with sglang in ``engines/embed_inputs.py``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from embedmesh.services.worker.engines.hf_embed.config import HFEmbedOptions
+
+if TYPE_CHECKING:
+    from embedmesh.services.worker.config import WorkerConfig
+    from embedmesh.services.worker.engines.base import Engine
+
+__all__ = ["HFEmbedOptions", "build"]
+
+
+def build(config: WorkerConfig) -> Engine:
+    from pathlib import Path
+
+    from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
+    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
+
+    o = config.options_as(HFEmbedOptions)
+    default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
+    folder = minilm_dir() if default else Path(config.model)
+    return HFEmbedEngine(HFEmbedConfig(folder, config.name_to_serve(folder.name, DEFAULT_EMBEDDING_MODEL),
+                                       threads=o.threads))

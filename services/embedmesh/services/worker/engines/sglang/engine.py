@@ -69,7 +69,6 @@ __all__ = [
     "prompt_fields",
     "generate_request",
     "delta_from_output",
-    "from_worker_config",
 ]
 
 log = get_logger(__name__)
@@ -496,24 +495,3 @@ def _attach_without_signal_handlers(sgl: Any, loop: asyncio.AbstractEventLoop) -
             loop.add_signal_handler(sig, handle._callback, *handle._args)
         else:
             loop.remove_signal_handler(sig)
-
-
-def from_worker_config(config: Any) -> SGLangEngine:
-    """Build the engine from the worker's ``WorkerConfig`` (``--engine sglang``); ``--model default`` is the
-    packaged all-MiniLM-L6-v2. Reads the optional fields ``sglang_task``, ``sglang_device`` and
-    ``sglang_max_total_tokens`` when the config has them."""
-    from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
-
-    task = getattr(config, "sglang_task", "embed")
-    default = config.model in ("default", DEFAULT_EMBEDDING_MODEL)
-    if default and task != "embed":
-        raise ValueError("--engine sglang with a generative task needs --model <folder>")
-    folder = minilm_dir() if default else Path(config.model)
-    name = config.served_name or (DEFAULT_EMBEDDING_MODEL if default else folder.name)
-    lora = task == "generate" and bool(getattr(config, "enable_lora", False) or getattr(config, "lora_modules", ()))
-    return SGLangEngine(SGLangConfig(
-        folder, name, task=task, device=getattr(config, "sglang_device", "cpu"), dtype=config.dtype,
-        max_total_tokens=getattr(config, "sglang_max_total_tokens", 8192),
-        max_running_requests=max(config.max_batch_size, 1) if task == "generate" else 64,
-        enable_lora=lora,
-    ))

@@ -46,7 +46,7 @@ from embedmesh.services.worker.engines.base import (
     load_once,
 )
 from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
-from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder, VLLMEngineMetrics
+from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder, VLLMCollector, VLLMEngineMetrics
 
 __all__ = ["VLLMEngine", "VLLMConfig", "VLLMEngineMetrics"]
 
@@ -191,10 +191,20 @@ class VLLMEngine(Engine):
         if self._kv_dir is not None:
             shutil.rmtree(self._kv_dir, ignore_errors=True)
 
-    # --- KV events ------------------------------------------------------------------------------------------
+    # --- KV events, KV usage and metrics (the worker wires them through the Engine hooks) ----------------------
     @property
     def publishes_kv_events(self) -> bool:
         return self.config.kv_events
+
+    def kv_event_source(self) -> VLLMEngine | None:
+        """This engine when it publishes KV events (``--routers`` and not ``--no-kv-events``), else None."""
+        return self if self.config.kv_events else None
+
+    def kv_usage(self) -> float:
+        return self._metrics.latest.kv_usage
+
+    def metrics_collector(self, worker_id: str) -> VLLMCollector:
+        return VLLMCollector(self.engine_metrics, self.kv_event_counters, worker_id)
 
     def on_kv_events(self, listener: Callable[[list[MeshKvEvent]], None]) -> None:
         """Call ``listener`` (on the event loop) with the mesh events of each vLLM event batch."""

@@ -49,6 +49,7 @@ __all__ = [
     "KvEventTranslator",
     "VllmKvEventSubscriber",
     "event_rows",
+    "events_log",
 ]
 
 log = get_logger(__name__)
@@ -430,6 +431,19 @@ def event_rows(events: list[MeshKvEvent]) -> list[dict[str, Any]]:
         else:
             rows.append({"kind": "cleared"})
     return rows
+
+
+def events_log(path: str) -> Callable[[list[MeshKvEvent]], None]:
+    """A KV-event listener appending each event to ``path`` as a JSON line (``--kv-events-log``)."""
+    import json
+
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life, line-buffered
+    log.info("writing KV events", extra={"path": path})
+
+    def write(events: list[MeshKvEvent]) -> None:
+        out.writelines(json.dumps(row) + "\n" for row in event_rows(events))
+
+    return write
 
 
 END_SEQ = -1

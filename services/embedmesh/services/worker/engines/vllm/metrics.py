@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["VLLMEngineMetrics", "MetricsRecorder", "register_vllm_metrics"]
+__all__ = ["VLLMEngineMetrics", "MetricsRecorder", "VLLMCollector"]
 
 
 @dataclass(frozen=True)
@@ -75,39 +75,43 @@ class MetricsRecorder:
         return _Logger
 
 
-def register_vllm_metrics(read: Callable[[], VLLMEngineMetrics], kv_counters: Callable[[], dict[str, int]],
-                          worker_id: str) -> None:
-    """Export the recorder's figures and the KV event translator's counters on the default registry."""
-    from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
-    from prometheus_client.registry import Collector
+class VLLMCollector:
+    """The recorder's figures and the KV event translator's counters, read at scrape time (``prometheus_client``
+    collector; the engine's ``metrics_collector``, registered by the worker)."""
 
-    class _Collector(Collector):
-        def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-            m = read()
-            for name, doc, value in (
-                ("embedmesh_vllm_num_running", "Sequences in vLLM's running batch", m.num_running),
-                ("embedmesh_vllm_num_waiting", "Sequences waiting in vLLM's queue", m.num_waiting),
-                ("embedmesh_vllm_kv_usage", "Fraction of vLLM's KV cache blocks in use (0..1)", m.kv_usage),
-            ):
-                g = GaugeMetricFamily(name, doc, labels=["worker_id"])
-                g.add_metric([worker_id], value)
-                yield g
-            for name, doc, value in (
-                ("embedmesh_vllm_prefix_cache_queries", "Prompt positions looked up in vLLM's prefix cache",
-                 m.prefix_cache_queries),
-                ("embedmesh_vllm_prefix_cache_hits", "Prompt positions found in vLLM's prefix cache",
-                 m.prefix_cache_hits),
-                ("embedmesh_vllm_preemptions", "Sequences vLLM preempted for lack of KV blocks", m.preemptions),
-            ):
-                c = CounterMetricFamily(name, doc, labels=["worker_id"])
-                c.add_metric([worker_id], value)
-                yield c
-            counters = kv_counters()
-            if counters:
-                c = CounterMetricFamily("embedmesh_vllm_kv_events", "vLLM KV events translated for the router",
-                                        labels=["worker_id", "what"])
-                for what, value in sorted(counters.items()):
-                    c.add_metric([worker_id, what], value)
-                yield c
+    def __init__(self, read: Callable[[], VLLMEngineMetrics], kv_counters: Callable[[], dict[str, int]],
+                 worker_id: str) -> None:
+        self.read = read
+        self.kv_counters = kv_counters
+        self.worker_id = worker_id
 
-    REGISTRY.register(_Collector())
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        worker_id = self.worker_id
+        m = self.read()
+        for name, doc, value in (
+            ("embedmesh_vllm_num_running", "Sequences in vLLM's running batch", m.num_running),
+            ("embedmesh_vllm_num_waiting", "Sequences waiting in vLLM's queue", m.num_waiting),
+            ("embedmesh_vllm_kv_usage", "Fraction of vLLM's KV cache blocks in use (0..1)", m.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["worker_id"])
+            g.add_metric([worker_id], value)
+            yield g
+        for name, doc, value in (
+            ("embedmesh_vllm_prefix_cache_queries", "Prompt positions looked up in vLLM's prefix cache",
+             m.prefix_cache_queries),
+            ("embedmesh_vllm_prefix_cache_hits", "Prompt positions found in vLLM's prefix cache",
+             m.prefix_cache_hits),
+            ("embedmesh_vllm_preemptions", "Sequences vLLM preempted for lack of KV blocks", m.preemptions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["worker_id"])
+            c.add_metric([worker_id], value)
+            yield c
+        counters = self.kv_counters()
+        if counters:
+            c = CounterMetricFamily("embedmesh_vllm_kv_events", "vLLM KV events translated for the router",
+                                    labels=["worker_id", "what"])
+            for what, value in sorted(counters.items()):
+                c.add_metric([worker_id, what], value)
+            yield c
