@@ -59,6 +59,7 @@ __all__ = [
     "Say",
     "Refusal",
     "parse",
+    "parse_item",
     "CompletionRequest",
     "ChatRequest",
     "EmbeddingsRequest",
@@ -117,7 +118,7 @@ Check = Callable[[Any], None]
 
 class Model(msgspec.Struct, kw_only=True):
     """A body or a part of one. ``checks``: field name -> function of the struct, run after that field in declared
-    order; each is a no-op on a null field unless the field is in ``always``. ``unknown``: the wording for a field
+    order, skipped for a null field unless the field is in ``always``. ``unknown``: the wording for a field
     the model does not declare (None: ignored).
 
     ``__post_init__`` only has to find *whether* a body is refused (the walk then finds the first refusal), so it
@@ -152,6 +153,32 @@ def parse(model: type[T], body: dict[str, Any]) -> T:
             path = str(e).rpartition(" - at `$")[2].rstrip("`").lstrip(".")
             err = bad_request(path or "body", str(e).partition(" - at ")[0], "invalid_value")
         raise err from None
+
+
+def parse_item(model: type[T], value: Any, param: str, say: Say) -> T:
+    """``value`` (one item of a list a check goes through) checked as ``model``; refusals name ``param`` (relative
+    to the struct being checked), ``say`` words a value that is not an object."""
+    if not isinstance(value, dict):
+        raise Refusal(param, *_said(say, value))
+    try:
+        return msgspec.convert(value, model)
+    except msgspec.ValidationError:
+        err = _walk(model, value, "")
+        if err is None:  # pragma: no cover - the model and its walk disagree
+            raise
+        raise Refusal(_join(param, err.param or ""), _unprefixed(err), err.code or "invalid_value") from None
+
+
+def _said(say: Say, value: Any) -> tuple[str, str]:
+    message = say.message(value, None) if callable(say.message) else say.message
+    code = say.code(value, None) if callable(say.code) else say.code
+    return message, code
+
+
+def _unprefixed(err: ApiError) -> str:
+    """The message of a 400 without the ``param: `` that ``bad_request`` put before it."""
+    prefix = f"{err.param}: "
+    return err.message[len(prefix):] if err.param and err.message.startswith(prefix) else err.message
 
 
 # --- the walk: the same model, field by field, for the first refusal -----------------------------------------------
@@ -197,7 +224,7 @@ def _walk(model: type[Model], body: Any, prefix: str) -> ApiError | None:
                 return _refused(tp, value, _join(prefix, name), obj, None) or \
                     _say(tp).error(_join(prefix, name), value, obj)
         check = checks.get(name)
-        if check is not None:
+        if check is not None and (name in model.always or getattr(obj, name) is not None):
             try:
                 check(obj)
             except Refusal as r:

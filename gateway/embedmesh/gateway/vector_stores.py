@@ -1,8 +1,8 @@
 """``/v1/vector_stores…`` (OpenAI Vector Stores) translated 1:1 to ``embedmesh.vectorstore.v1.VectorStoreService``.
 
-Only translation lives here: JSON shapes are checked as they are turned into protobuf (a wrong shape is a 400 naming
-the field, e.g. ``filters.filters[1].value``); every rule (ranges, filter semantics, unknown ids) is the service's,
-and its errors come back as OpenAI error JSON through ``errors.from_grpc``. Register with
+Only translation lives here: JSON shapes are checked by the request models below (``requests.parse``; a wrong
+shape is a 400 naming the field, e.g. ``filters.filters[1].value``); every rule (ranges, filter semantics, unknown
+ids) is the service's, and its errors come back as OpenAI error JSON through ``errors.from_grpc``. Register with
 ``create_app(config, extra_routes=[*files.routes(gw), *vector_stores.routes(gw)])`` — see ``routes``.
 
 Responses are OpenAI's objects; a vector store file also carries ``progress: {chunks_done, chunks_total}`` and a
@@ -11,10 +11,11 @@ vector store ``embedding_model`` and ``dimensions`` (extra fields the SDK keeps)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import grpc
 import orjson
+from msgspec import UNSET, Meta, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -23,6 +24,7 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.gateway.auth import forwarding_channel
 from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
+from embedmesh.gateway.requests import Model, Refusal, Say, parse, parse_item
 from embedmesh.services.vector_store.filters import check_json_limits
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 from embedmesh.vectorstore.v1 import vectorstore_pb2_grpc
@@ -67,25 +69,24 @@ class VectorStoreClient:
             raise from_grpc(e) from None
 
 
-# --- JSON -> protobuf ---------------------------------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
+# --- JSON -> protobuf: the bodies as request models (requests.py) ------------------------------------------------
+# Every body here ignores fields it does not know (as it always has). Checks leave protobuf messages in their fields.
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _object(v: Any, field: str) -> dict[str, Any]:
     if not isinstance(v, dict):
-        raise bad_request(field, "must be an object", "invalid_type")
+        raise Refusal(field, "must be an object", "invalid_type")
     return v
 
 
-def _uint(v: Any, field: str) -> int:
-    if not _is_int(v) or v < 0 or v >= 2**32:
-        raise bad_request(field, f"must be a non-negative integer, got {v!r}", "invalid_type")
-    return int(v)
+def _got(v: Any, obj: Any) -> str:
+    return f"must be a non-negative integer, got {v!r}"
+
+
+_Uint = Annotated[int, Meta(ge=0, le=2**32 - 1), Say(_got, "invalid_type")]
+_String = Annotated[str, Say("must be a string", "invalid_type")]
 
 
 def _scalar(v: Any, field: str) -> pb.AttributeValue:
@@ -95,80 +96,212 @@ def _scalar(v: Any, field: str) -> pb.AttributeValue:
         return pb.AttributeValue(number_value=float(v))
     if isinstance(v, str):
         return pb.AttributeValue(string_value=v)
-    raise bad_request(field, f"must be a string, number or boolean, got {type(v).__name__}", "invalid_type")
+    raise Refusal(field, f"must be a string, number or boolean, got {type(v).__name__}", "invalid_type")
 
 
-def attributes(v: Any, field: str = "attributes") -> dict[str, pb.AttributeValue]:
+def _attributes(v: Any, field: str = "attributes") -> dict[str, pb.AttributeValue]:
     if v is None:
         return {}
     return {str(k): _scalar(x, f"{field}.{k}") for k, x in _object(v, field).items()}
 
 
-def chunking(v: Any, field: str = "chunking_strategy") -> pb.ChunkingStrategy | None:
-    if v is None:
-        return None
-    obj = _object(v, field)
-    kind = obj.get("type")
-    if kind == "auto":
+def _check_attributes(obj: Any) -> None:
+    """-> {key: AttributeValue}."""
+    obj.attributes = _attributes(obj.attributes)
+
+
+class _Static(Model, kw_only=True):
+    max_chunk_size_tokens: _Uint
+    chunk_overlap_tokens: _Uint = 0
+
+
+class AutoChunking(Model, kw_only=True, tag_field="type", tag="auto"):
+    def proto(self) -> pb.ChunkingStrategy:
         return pb.ChunkingStrategy(auto_chunking=pb.AutoChunking())
-    if kind == "static":
-        st = _object(obj.get("static"), f"{field}.static")
+
+
+class StaticChunking(Model, kw_only=True, tag_field="type", tag="static"):
+    static: Annotated[_Static, Say("must be an object", "invalid_type")]
+
+    def proto(self) -> pb.ChunkingStrategy:
         return pb.ChunkingStrategy(static_chunking=pb.StaticChunking(
-            max_chunk_size_tokens=_uint(st.get("max_chunk_size_tokens"), f"{field}.static.max_chunk_size_tokens"),
-            chunk_overlap_tokens=_uint(st.get("chunk_overlap_tokens", 0), f"{field}.static.chunk_overlap_tokens")))
-    raise bad_request(f"{field}.type", f"must be 'auto' or 'static', got {kind!r}", "invalid_value")
+            max_chunk_size_tokens=self.static.max_chunk_size_tokens,
+            chunk_overlap_tokens=self.static.chunk_overlap_tokens))
 
 
-def _expires(v: Any) -> pb.ExpiresAfter:
-    obj = _object(v, "expires_after")
-    anchor = obj.get("anchor", "last_active_at")
-    if not isinstance(anchor, str):
-        raise bad_request("expires_after.anchor", "must be a string", "invalid_type")
-    return pb.ExpiresAfter(anchor=anchor, days=_uint(obj.get("days"), "expires_after.days"))
+def _chunking_message(v: Any, obj: Any) -> str:
+    return f"must be 'auto' or 'static', got {v.get('type')!r}" if isinstance(v, dict) else "must be an object"
+
+
+Chunking = Annotated[AutoChunking | StaticChunking, Say(
+    _chunking_message, lambda v, o: "invalid_value" if isinstance(v, dict) else "invalid_type",
+    lambda v: ".type" if isinstance(v, dict) else "")]
+
+
+class ExpiresAfter(Model, kw_only=True):
+    anchor: _String = "last_active_at"
+    days: _Uint
+
+    def proto(self) -> pb.ExpiresAfter:
+        return pb.ExpiresAfter(anchor=self.anchor, days=self.days)
+
+
+Expires = Annotated[ExpiresAfter, Say("must be an object", "invalid_type")]
 
 
 def _metadata(v: Any) -> dict[str, str]:
-    obj = _object(v, "metadata")
-    for k, x in obj.items():
+    values = _object(v, "metadata")
+    for k, x in values.items():
         if not isinstance(x, str):
-            raise bad_request(f"metadata.{k}", "values must be strings", "invalid_type")
-    return {str(k): x for k, x in obj.items()}
+            raise Refusal(f"metadata.{k}", "values must be strings", "invalid_type")
+    return {str(k): x for k, x in values.items()}
 
 
-def _file_ids(v: Any, field: str = "file_ids") -> list[str]:
-    if v is None:
-        return []
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise bad_request(field, "must be a list of file ids", "invalid_type")
-    return v
+def _check_metadata(obj: Any) -> None:
+    """-> {key: value}."""
+    obj.metadata = _metadata(obj.metadata)
+
+
+def _check_new_metadata(obj: Any) -> None:
+    """``modify``: absent stays UNSET (kept as it is), any falsy value is {} (cleared)."""
+    if obj.metadata is not UNSET:
+        obj.metadata = _metadata(obj.metadata or {})
+
+
+_FileIds = Annotated[list[str], Say("must be a list of file ids", "invalid_type")]
+
+
+class CreateStore(Model, kw_only=True):
+    """``POST /v1/vector_stores``."""
+
+    file_ids: _FileIds | None = None
+    name: _String | None = None
+    chunking_strategy: Chunking | None = None
+    expires_after: Expires | None = None
+    metadata: Any = None
+
+    checks = {"metadata": _check_metadata}
+
+
+class ModifyStore(Model, kw_only=True):
+    """``POST /v1/vector_stores/{id}``: ``expires_after`` null clears it, ``metadata`` replaces it (null: {})."""
+
+    name: _String | None = None
+    expires_after: Expires | None | UnsetType = UNSET
+    metadata: Any = UNSET
+
+    checks = {"metadata": _check_new_metadata}
+    always = frozenset({"metadata"})
+
+
+class AddFile(Model, kw_only=True):
+    """``POST /v1/vector_stores/{id}/files``."""
+
+    file_id: Annotated[str, Meta(min_length=1), Say("is required", "missing")]
+    attributes: Any = None
+    chunking_strategy: Chunking | None = None
+
+    checks = {"attributes": _check_attributes}
+    always = frozenset({"attributes"})
+
+
+def _check_required_attributes(obj: Any) -> None:
+    if obj.attributes is UNSET:
+        raise Refusal("attributes", "is required", "missing")
+    obj.attributes = _attributes(obj.attributes)
+
+
+class UpdateFile(Model, kw_only=True):
+    """``POST /v1/vector_stores/{id}/files/{file_id}``: ``attributes`` required (null: none)."""
+
+    attributes: Any = UNSET
+
+    checks = {"attributes": _check_required_attributes}
+    always = frozenset({"attributes"})
+
+
+class BatchFile(Model, kw_only=True):
+    file_id: Annotated[str, Say("is required", "missing")]
+    attributes: Any = None
+    chunking_strategy: Chunking | None = None
+
+    checks = {"attributes": _check_attributes}
+    always = frozenset({"attributes"})
+
+
+def _check_files(obj: Any) -> None:
+    """-> a list of BatchFile (any falsy value is none)."""
+    files = obj.files or []
+    if not isinstance(files, list):
+        raise Refusal("files", "must be a list", "invalid_type")
+    obj.files = [parse_item(BatchFile, f, f"files[{i}]", Say("must be an object", "invalid_type"))
+                 for i, f in enumerate(files)]
+
+
+class CreateBatch(Model, kw_only=True):
+    """``POST /v1/vector_stores/{id}/file_batches``."""
+
+    file_ids: _FileIds | None = None
+    attributes: Any = None
+    chunking_strategy: Chunking | None = None
+    files: Any = None
+
+    checks = {"attributes": _check_attributes, "files": _check_files}
+    always = frozenset({"attributes", "files"})
 
 
 def filter_proto(v: Any, field: str = "filters") -> pb.Filter:
     obj = _object(v, field)
     kind = obj.get("type")
     if not isinstance(kind, str):  # an unhashable type (a list) would make the lookups below raise TypeError
-        raise bad_request(f"{field}.type", f"must be one of {', '.join([*_CMP, *_COMPOUND])}", "invalid_type")
+        raise Refusal(f"{field}.type", f"must be one of {', '.join([*_CMP, *_COMPOUND])}", "invalid_type")
     if kind in _COMPOUND:
         subs = obj.get("filters")
         if not isinstance(subs, list):
-            raise bad_request(f"{field}.filters", "must be a list of filters", "invalid_type")
+            raise Refusal(f"{field}.filters", "must be a list of filters", "invalid_type")
         return pb.Filter(compound=pb.CompoundFilter(
             type=_COMPOUND[kind], filters=[filter_proto(s, f"{field}.filters[{i}]") for i, s in enumerate(subs)]))
     if kind in _CMP:
         key = obj.get("key")
         if not isinstance(key, str):
-            raise bad_request(f"{field}.key", "must be a string", "invalid_type")
+            raise Refusal(f"{field}.key", "must be a string", "invalid_type")
         raw = obj.get("value")
         if isinstance(raw, list):
             value = pb.FilterValue(list=pb.AttributeValueList(
                 values=[_scalar(x, f"{field}.value[{i}]") for i, x in enumerate(raw)]))
         elif raw is None:
-            raise bad_request(f"{field}.value", "is required", "missing")
+            raise Refusal(f"{field}.value", "is required", "missing")
         else:
             value = pb.FilterValue(scalar=_scalar(raw, f"{field}.value"))
         return pb.Filter(comparison=pb.ComparisonFilter(key=key, type=_CMP[kind], value=value))
-    raise bad_request(f"{field}.type", f"must be one of {', '.join([*_CMP, *_COMPOUND])}, got {kind!r}",
-                      "invalid_value")
+    raise Refusal(f"{field}.type", f"must be one of {', '.join([*_CMP, *_COMPOUND])}, got {kind!r}", "invalid_value")
+
+
+def _check_filters(obj: Any) -> None:
+    """-> a Filter message. Depth and size first: filter_proto recurses, and protobuf refuses nesting past 100."""
+    try:
+        check_json_limits(obj.filters)
+    except InvalidArgument as e:
+        raise Refusal(e.field or "filters", e.message, e.reason.lower()) from None
+    obj.filters = filter_proto(obj.filters)
+
+
+class RankingOptions(Model, kw_only=True):
+    ranker: _String = "auto"
+    score_threshold: Annotated[float, Say("must be a number", "invalid_type")] | None = None
+
+
+class Search(Model, kw_only=True):
+    """``POST /v1/vector_stores/{id}/search``."""
+
+    query: Annotated[str | list[str], Say("must be a string or a list of strings", "invalid_type")]
+    filters: Any = None
+    max_num_results: Annotated[int, Meta(ge=0, le=2**32 - 1),
+                               Say(lambda v, o: f"must be an integer in [1, 50], got {v!r}")] | None = None
+    ranking_options: Annotated[RankingOptions, Say("must be an object", "invalid_type")] | None = None
+    rewrite_query: Annotated[bool, Say("must be a boolean", "invalid_type")] = False
+
+    checks = {"filters": _check_filters}
 
 
 def page_request(request: Request, *, before: bool = True) -> pb.PageRequest:
@@ -253,18 +386,14 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
     vs = client or VectorStoreClient(gateway)
 
     async def create(request: Request) -> Response:
-        body = await gateway.read_json(request)
-        req = pb.CreateVectorStoreRequest(file_ids=_file_ids(body.get("file_ids")))
-        if body.get("name") is not None:
-            if not isinstance(body["name"], str):
-                raise bad_request("name", "must be a string", "invalid_type")
-            req.name = body["name"]
-        if (c := chunking(body.get("chunking_strategy"))) is not None:
-            req.chunking_strategy.CopyFrom(c)
-        if body.get("expires_after") is not None:
-            req.expires_after.CopyFrom(_expires(body["expires_after"]))
-        if body.get("metadata") is not None:
-            req.metadata.update(_metadata(body["metadata"]))
+        b = parse(CreateStore, await gateway.read_json(request))
+        req = pb.CreateVectorStoreRequest(file_ids=b.file_ids or [], metadata=b.metadata or {})
+        if b.name is not None:
+            req.name = b.name
+        if b.chunking_strategy is not None:
+            req.chunking_strategy.CopyFrom(b.chunking_strategy.proto())
+        if b.expires_after is not None:
+            req.expires_after.CopyFrom(b.expires_after.proto())
         return json_response(store_json((await vs.call("CreateVectorStore", req)).vector_store))
 
     async def list_stores(request: Request) -> Response:
@@ -276,20 +405,17 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(store_json(r.vector_store))
 
     async def modify(request: Request) -> Response:
-        body = await gateway.read_json(request)
+        b = parse(ModifyStore, await gateway.read_json(request))
         req = pb.UpdateVectorStoreRequest(vector_store_id=request.path_params["id"])
-        if body.get("name") is not None:
-            if not isinstance(body["name"], str):
-                raise bad_request("name", "must be a string", "invalid_type")
-            req.name = body["name"]
-        if "expires_after" in body:
-            if body["expires_after"] is None:
-                req.clear_expires_after = True
-            else:
-                req.expires_after.CopyFrom(_expires(body["expires_after"]))
-        if "metadata" in body:
+        if b.name is not None:
+            req.name = b.name
+        if b.expires_after is None:
+            req.clear_expires_after = True
+        elif b.expires_after is not UNSET:
+            req.expires_after.CopyFrom(b.expires_after.proto())
+        if b.metadata is not UNSET:
             req.update_metadata = True
-            req.metadata.update(_metadata(body["metadata"] or {}))
+            req.metadata.update(b.metadata)
         return json_response(store_json((await vs.call("UpdateVectorStore", req)).vector_store))
 
     async def delete(request: Request) -> Response:
@@ -297,14 +423,11 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response({"id": r.id, "object": "vector_store.deleted", "deleted": r.deleted})
 
     async def add_file(request: Request) -> Response:
-        body = await gateway.read_json(request)
-        fid = body.get("file_id")
-        if not isinstance(fid, str) or not fid:
-            raise bad_request("file_id", "is required", "missing")
-        req = pb.CreateVectorStoreFileRequest(vector_store_id=request.path_params["id"], file_id=fid,
-                                              attributes=attributes(body.get("attributes")))
-        if (c := chunking(body.get("chunking_strategy"))) is not None:
-            req.chunking_strategy.CopyFrom(c)
+        b = parse(AddFile, await gateway.read_json(request))
+        req = pb.CreateVectorStoreFileRequest(vector_store_id=request.path_params["id"], file_id=b.file_id,
+                                              attributes=b.attributes)
+        if b.chunking_strategy is not None:
+            req.chunking_strategy.CopyFrom(b.chunking_strategy.proto())
         return json_response(store_file_json((await vs.call("CreateVectorStoreFile", req)).file))
 
     async def list_files(request: Request) -> Response:
@@ -318,12 +441,10 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(store_file_json(r.file))
 
     async def update_file(request: Request) -> Response:
-        body = await gateway.read_json(request)
-        if "attributes" not in body:
-            raise bad_request("attributes", "is required", "missing")
+        b = parse(UpdateFile, await gateway.read_json(request))
         r = await vs.call("UpdateVectorStoreFile", pb.UpdateVectorStoreFileRequest(
             vector_store_id=request.path_params["id"], file_id=request.path_params["file_id"],
-            attributes=attributes(body.get("attributes"))))
+            attributes=b.attributes))
         return json_response(store_file_json(r.file))
 
     async def delete_file(request: Request) -> Response:
@@ -332,23 +453,15 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response({"id": r.id, "object": "vector_store.file.deleted", "deleted": r.deleted})
 
     async def create_batch(request: Request) -> Response:
-        body = await gateway.read_json(request)
+        b = parse(CreateBatch, await gateway.read_json(request))
         req = pb.CreateVectorStoreFileBatchRequest(vector_store_id=request.path_params["id"],
-                                                   file_ids=_file_ids(body.get("file_ids")),
-                                                   attributes=attributes(body.get("attributes")))
-        if (c := chunking(body.get("chunking_strategy"))) is not None:
-            req.chunking_strategy.CopyFrom(c)
-        files = body.get("files") or []
-        if not isinstance(files, list):
-            raise bad_request("files", "must be a list", "invalid_type")
-        for i, f in enumerate(files):
-            obj = _object(f, f"files[{i}]")
-            if not isinstance(obj.get("file_id"), str):
-                raise bad_request(f"files[{i}].file_id", "is required", "missing")
-            item = pb.BatchFile(file_id=obj["file_id"], attributes=attributes(obj.get("attributes"),
-                                                                              f"files[{i}].attributes"))
-            if (c := chunking(obj.get("chunking_strategy"), f"files[{i}].chunking_strategy")) is not None:
-                item.chunking_strategy.CopyFrom(c)
+                                                   file_ids=b.file_ids or [], attributes=b.attributes)
+        if b.chunking_strategy is not None:
+            req.chunking_strategy.CopyFrom(b.chunking_strategy.proto())
+        for f in b.files:
+            item = pb.BatchFile(file_id=f.file_id, attributes=f.attributes)
+            if f.chunking_strategy is not None:
+                item.chunking_strategy.CopyFrom(f.chunking_strategy.proto())
             req.files.append(item)
         return json_response(batch_json((await vs.call("CreateVectorStoreFileBatch", req)).batch))
 
@@ -369,40 +482,19 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(list_json([store_file_json(f) for f in r.data], r.page))
 
     async def search(request: Request) -> Response:
-        body = await gateway.read_json(request)
-        query = body.get("query")
-        if isinstance(query, str):
-            queries = [query]
-        elif isinstance(query, list) and all(isinstance(q, str) for q in query):
-            queries = query
-        else:
-            raise bad_request("query", "must be a string or a list of strings", "invalid_type")
-        req = pb.SearchVectorStoreRequest(vector_store_id=request.path_params["id"], queries=queries)
-        if body.get("filters") is not None:
-            try:  # depth and size first: filter_proto recurses, and protobuf refuses nesting past 100 levels
-                check_json_limits(body["filters"])
-            except InvalidArgument as e:
-                raise bad_request(e.field or "filters", e.message, e.reason.lower()) from None
-            req.filters.CopyFrom(filter_proto(body["filters"]))
-        if body.get("max_num_results") is not None:
-            n = body["max_num_results"]
-            if not _is_int(n) or not 0 <= n < 2**32:
-                raise bad_request("max_num_results", f"must be an integer in [1, 50], got {n!r}", "invalid_value")
-            req.max_num_results = n
-        if body.get("ranking_options") is not None:
-            ro = _object(body["ranking_options"], "ranking_options")
-            ranker = ro.get("ranker", "auto")
-            if not isinstance(ranker, str):
-                raise bad_request("ranking_options.ranker", "must be a string", "invalid_type")
-            req.ranking_options.ranker = ranker
-            if ro.get("score_threshold") is not None:
-                if not _is_number(ro["score_threshold"]):
-                    raise bad_request("ranking_options.score_threshold", "must be a number", "invalid_type")
-                req.ranking_options.score_threshold = float(ro["score_threshold"])
-        rq = body.get("rewrite_query", False)
-        if not isinstance(rq, bool):
-            raise bad_request("rewrite_query", "must be a boolean", "invalid_type")
-        req.rewrite_query = rq
+        b = parse(Search, await gateway.read_json(request))
+        query = b.query
+        req = pb.SearchVectorStoreRequest(vector_store_id=request.path_params["id"],
+                                          queries=[query] if isinstance(query, str) else query,
+                                          rewrite_query=b.rewrite_query)
+        if b.filters is not None:
+            req.filters.CopyFrom(b.filters)
+        if b.max_num_results is not None:
+            req.max_num_results = b.max_num_results
+        if b.ranking_options is not None:
+            req.ranking_options.ranker = b.ranking_options.ranker
+            if b.ranking_options.score_threshold is not None:
+                req.ranking_options.score_threshold = b.ranking_options.score_threshold
         r = await vs.call("SearchVectorStore", req)
         searched: Any = r.search_queries[0] if isinstance(query, str) else list(r.search_queries)
         return json_response({
