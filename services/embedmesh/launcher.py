@@ -33,10 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedmesh import mesh_spec
 from embedmesh.core.config import Settings, option
 from embedmesh.services.worker.engines import registry
 
 __all__ = ["main", "MeshProcess"]
+
+MESH = mesh_spec.load()
+"""``deploy/mesh.yaml``: the services started, their modules, default ports and calls."""
 
 
 @dataclass
@@ -146,11 +150,11 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
 
     host: str = "127.0.0.1"
     """Interface every service binds."""
-    gateway_port: int = 8000
+    gateway_port: int = MESH["gateway"].port
     """REST port of the gateway."""
-    preprocessor_port: int = 50051
+    preprocessor_port: int = MESH["preprocessor"].port
     """Public gRPC port of the preprocessor."""
-    worker_port: int = 50061
+    worker_port: int = MESH["worker"].port
     """First worker's port; further workers take the next ports."""
     workers: int = option(1, env="EMBEDMESH_NUM_WORKERS")
     """Generative workers started (per model)."""
@@ -162,19 +166,19 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     --workers workers each (empty = default)."""
     worker_threads: int = option(0, env="EMBEDMESH_WORKER_THREADS")
     """torch threads per worker (0 = the machine's cores shared among the workers)."""
-    router_port: int = 50081
+    router_port: int = MESH["router"].port
     """KV router port (0 = no router: round robin)."""
     metrics_port_base: int = 9100
     """Prometheus ports: preprocessor base+1, router base+2, vector store base+3, embed worker base+9, worker i
     base+10+i (0 = no metrics ports)."""
-    embed_worker_port: int = 50091
+    embed_worker_port: int = MESH["worker-embed"].port
     """Port of the embedding worker serving /v1/embeddings (0 = none)."""
     embed_engine: str = option("hf-embed", choices=("hf-embed", "sglang"))
     """Engine of the embedding worker."""
     sglang_venv: str = ""
     """venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang; empty =
     $EMBEDMESH_CACHE/venvs/sglang-0.5.23."""
-    vector_store_port: int = 50101
+    vector_store_port: int = MESH["vector-store"].port
     """Vector store port (0 = none)."""
     vector_store_data_dir: str = ""
     """Where the embedded vector store keeps files, metadata and its index; empty = $EMBEDMESH_CACHE/vector-store."""
@@ -276,42 +280,71 @@ MALLOC_TUNING = {
 }
 
 
-def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None = None,
-               env: dict[str, str] | None = None) -> list[MeshProcess]:
-    env = {**MALLOC_TUNING, **os.environ, **(env or {})}
-    env["EMBEDMESH_DRAIN_GRACE_SECONDS"] = str(a.drain_seconds)
-    certs = tls_env or {}
+CALL_FLAGS: dict[tuple[str, str], str] = {
+    ("preprocessor", "worker"): "--workers",
+    ("preprocessor", "worker-embed"): "--workers",
+    ("preprocessor", "router"): "--routers",
+    ("worker", "router"): "--routers",
+    ("vector-store", "preprocessor"): "--inference-addr",
+    ("gateway", "preprocessor"): "--preprocessor",
+    ("gateway", "vector-store"): "--vector-store",
+}
+"""The flag through which a caller learns its callee's addresses, for every call ``mesh.yaml`` lists (``calls``
+and ``registers_with``); a call without a flag here is refused when the launcher starts."""
 
-    def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
-               python: str = sys.executable) -> subprocess.Popen[bytes]:
-        cert = "worker" if name.startswith("worker-") else name
-        return _spawn_process(name, module, args, {**child_env, **certs.get(cert, {})}, python)
 
-    procs: list[MeshProcess] = []
-    worker_addrs = []
-    models = a.model or [env.get("EMBEDMESH_WORKER_MODEL", "default")]
+@dataclass
+class _Plan:
+    """What start_mesh knows while it walks mesh.yaml's services: the launcher's settings and the addresses of
+    the services already started."""
+
+    a: argparse.Namespace
+    env: dict[str, str]
+    spawn: Callable[..., subprocess.Popen[bytes]]
+    addrs: dict[str, list[str]]
+    procs: list[MeshProcess]
+    tokenizers: list[str]
+    """``name=folder`` for every model besides the default one: the preprocessor's tokenizer and template of it."""
+
+    def callees(self, name: str) -> list[str]:
+        """``--flag addr[,addr]`` for every started service ``name`` dials (mesh.yaml order)."""
+        spec = MESH[name]
+        grouped: dict[str, list[str]] = {}
+        for callee in (*spec.calls, *spec.registers_with):
+            if self.addrs.get(callee):
+                grouped.setdefault(CALL_FLAGS[(name, callee)], []).extend(self.addrs[callee])
+        return [x for flag, addrs in grouped.items() for x in (flag, ",".join(addrs))]
+
+    def metrics(self, offset: int) -> list[str]:
+        return ["--metrics-port", str(self.a.metrics_port_base + offset)] if self.a.metrics_port_base else []
+
+    def start(self, name: str, label: str, address: str, args: list[str], env: dict[str, str] | None = None,
+              python: str = sys.executable) -> None:
+        proc = self.spawn(label, MESH[name].module, args, env if env is not None else self.env, python)
+        self.procs.append(MeshProcess(label, address, proc))
+
+
+def _start_router(p: _Plan) -> None:
+    a = p.a
+    if not a.router_port:
+        return
+    addr = f"{a.host}:{a.router_port}"
+    p.start("router", "router", addr, ["--host", a.host, "--port", str(a.router_port), *p.metrics(2)])
+    p.addrs["router"] = [addr]
+
+
+def _start_workers(p: _Plan) -> None:
+    a = p.a
+    models = a.model or [p.env.get("EMBEDMESH_WORKER_MODEL", "default")]
     a.model = models[0]
     threads = a.worker_threads or max(1, (os.cpu_count() or 2) // (a.workers * len(models)))
-    router_addr = f"{a.host}:{a.router_port}" if a.router_port else ""
-    if router_addr:
-        r_args = ["--host", a.host, "--port", str(a.router_port)]
-        if a.metrics_port_base:
-            r_args += ["--metrics-port", str(a.metrics_port_base + 2)]
-        proc = _spawn("router", "embedmesh.services.router.main", r_args, env)
-        procs.append(MeshProcess("router", router_addr, proc))
-    tokenizers: list[str] = []
-    """``name=folder`` for every model besides the default one: the preprocessor's tokenizer and template of it."""
+    addrs = p.addrs.setdefault("worker", [])
     for m, i in ((m, j * a.workers + k) for j, m in enumerate(models) for k in range(a.workers)):
         if m not in ("default", "SmolLM2-135M-Instruct") and i % a.workers == 0 and a.engine != "echo":
-            tokenizers.append(f"{Path(m).name}={Path(m).resolve()}")
+            p.tokenizers.append(f"{Path(m).name}={Path(m).resolve()}")
         addr = f"{a.host}:{a.worker_port + i}"
-        worker_addrs.append(addr)
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", m,
-                "--threads", str(threads)]
-        if router_addr:
-            args += ["--routers", router_addr]
-        if a.metrics_port_base:
-            args += ["--metrics-port", str(a.metrics_port_base + 10 + i)]
+                "--threads", str(threads), *p.callees("worker"), *p.metrics(10 + i)]
         if a.lora_root:
             args += ["--lora-root", a.lora_root]
         if a.lora_modules:
@@ -325,48 +358,103 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             i_model = args.index("--model") + 1
             args[i_model] = str(ensure_default_model())
             args += ["--served-name", DEFAULT_MODEL]
-        python, worker_env = _worker_python(a.engine, "--engine", a, env)
-        proc = _spawn(f"worker-{i}", "embedmesh.services.worker.main", args, worker_env, python)
-        procs.append(MeshProcess(f"worker-{i}", addr, proc))
-    if a.embed_worker_port and a.engine != "echo":
-        addr = f"{a.host}:{a.embed_worker_port}"
-        worker_addrs.append(addr)
-        args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", a.embed_engine, "--threads", "1"]
-        if a.metrics_port_base:
-            args += ["--metrics-port", str(a.metrics_port_base + 9)]
-        python, worker_env = _worker_python(a.embed_engine, "--embed-engine", a, env)
-        procs.append(MeshProcess("embed-worker", addr, _spawn("embed-worker", "embedmesh.services.worker.main", args,
-                                                               worker_env, python)))
-    pre_addr = f"{a.host}:{a.preprocessor_port}"
-    pre_args = ["--host", a.host, "--port", str(a.preprocessor_port), "--workers", ",".join(worker_addrs)]
-    if a.metrics_port_base:
-        pre_args += ["--metrics-port", str(a.metrics_port_base + 1)]
-    if router_addr:
-        pre_args += ["--routers", router_addr]
+        python, worker_env = _worker_python(a.engine, "--engine", a, p.env)
+        p.start("worker", f"worker-{i}", addr, args, worker_env, python)
+        addrs.append(addr)
+
+
+def _start_embed_worker(p: _Plan) -> None:
+    a = p.a
+    if not a.embed_worker_port or a.engine == "echo":
+        return
+    addr = f"{a.host}:{a.embed_worker_port}"
+    args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", a.embed_engine, "--threads", "1",
+            *p.callees("worker-embed"), *p.metrics(9)]
+    python, worker_env = _worker_python(a.embed_engine, "--embed-engine", a, p.env)
+    p.start("worker-embed", "embed-worker", addr, args, worker_env, python)
+    p.addrs["worker-embed"] = [addr]
+
+
+def _start_preprocessor(p: _Plan) -> None:
+    a = p.a
+    addr = f"{a.host}:{a.preprocessor_port}"
+    args = ["--host", a.host, "--port", str(a.preprocessor_port), *p.callees("preprocessor"), *p.metrics(1)]
     if a.engine == "echo":
-        pre_args += ["--tokenizer", a.model]
-    if tokenizers:
-        pre_args += ["--model-tokenizers", ",".join(tokenizers)]
+        args += ["--tokenizer", a.model]
+    if p.tokenizers:
+        args += ["--model-tokenizers", ",".join(p.tokenizers)]
     if a.lora_load_on_demand:
-        pre_args += ["--lora-load-on-demand"]
-    procs.append(MeshProcess("preprocessor", pre_addr,
-                             _spawn("preprocessor", "embedmesh.services.preprocessor.main", pre_args, env)))
-    gw_addr = f"{'https' if a.gateway_tls else 'http'}://{a.host}:{a.gateway_port}"
-    gw_args = ["--host", a.host, "--port", str(a.gateway_port), "--preprocessor", pre_addr]
+        args += ["--lora-load-on-demand"]
+    p.start("preprocessor", "preprocessor", addr, args)
+    p.addrs["preprocessor"] = [addr]
+
+
+def _start_vector_store(p: _Plan) -> None:
+    a = p.a
+    if not a.vector_store_port or a.engine == "echo":
+        return
+    addr = f"{a.host}:{a.vector_store_port}"
+    args = ["--host", a.host, "--port", str(a.vector_store_port), "--data-dir", a.vector_store_data_dir,
+            *p.callees("vector-store"), "--embedding-model", "all-MiniLM-L6-v2", *p.metrics(3)]
+    p.start("vector-store", "vector-store", addr, args)
+    p.addrs["vector-store"] = [addr]
+
+
+def _start_gateway(p: _Plan) -> None:
+    a = p.a
+    addr = f"{'https' if a.gateway_tls else 'http'}://{a.host}:{a.gateway_port}"
+    args = ["--host", a.host, "--port", str(a.gateway_port), *p.callees("gateway")]
     if a.gateway_tls:
-        gw_args += ["--https-cert", str(Path(a.tls_dir) / "gateway.pem"),
-                    "--https-key", str(Path(a.tls_dir) / "gateway-key.pem")]
-    if a.vector_store_port and a.engine != "echo":
-        vs_addr = f"{a.host}:{a.vector_store_port}"
-        vs_args = ["--host", a.host, "--port", str(a.vector_store_port), "--data-dir", a.vector_store_data_dir,
-                   "--inference-addr", pre_addr, "--embedding-model", "all-MiniLM-L6-v2"]
-        if a.metrics_port_base:
-            vs_args += ["--metrics-port", str(a.metrics_port_base + 3)]
-        procs.append(MeshProcess("vector-store", vs_addr,
-                                 _spawn("vector-store", "embedmesh.services.vector_store.main", vs_args, env)))
-        gw_args += ["--vector-store", vs_addr]
-    procs.append(MeshProcess("gateway", gw_addr, _spawn("gateway", "embedmesh.gateway.main", gw_args, env)))
-    return procs
+        args += ["--https-cert", str(Path(a.tls_dir) / "gateway.pem"),
+                 "--https-key", str(Path(a.tls_dir) / "gateway-key.pem")]
+    p.start("gateway", "gateway", addr, args)
+
+
+PORT_FLAGS = {"router": "--router-port", "worker": "--worker-port", "worker-embed": "--embed-worker-port",
+              "preprocessor": "--preprocessor-port", "vector-store": "--vector-store-port", "gateway": "--gateway-port"}
+"""The launcher flag that sets each mesh.yaml service's port (its default is that service's port in mesh.yaml); the
+e2e harness (tests/support/mesh.py) gives every service a free port through these."""
+
+STARTERS: dict[str, Callable[[_Plan], None]] = {
+    "router": _start_router,
+    "worker": _start_workers,
+    "worker-embed": _start_embed_worker,
+    "preprocessor": _start_preprocessor,
+    "vector-store": _start_vector_store,
+    "gateway": _start_gateway,
+}
+"""How each service of mesh.yaml is started locally (a new service there needs a line here; ``check_mesh`` says
+so)."""
+
+
+def check_mesh() -> list[str]:
+    """mesh.yaml's services in start order; refuses a service or a call the launcher cannot start or wire."""
+    unknown = [n for n in MESH if n not in STARTERS or n not in PORT_FLAGS]
+    unwired = [f"{n} -> {c}" for n, s in MESH.items() for c in (*s.calls, *s.registers_with)
+               if (n, c) not in CALL_FLAGS]
+    if unknown or unwired:
+        raise SystemExit(f"deploy/mesh.yaml lists what the launcher cannot start: services {unknown}, calls "
+                         f"{unwired}; add them to STARTERS + PORT_FLAGS / CALL_FLAGS in embedmesh/launcher.py")
+    return mesh_spec.start_order(MESH)
+
+
+def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None = None,
+               env: dict[str, str] | None = None) -> list[MeshProcess]:
+    """Start every service of mesh.yaml, each after the services it calls, each told its callees' addresses;
+    the gateway comes last."""
+    env = {**MALLOC_TUNING, **os.environ, **(env or {})}
+    env["EMBEDMESH_DRAIN_GRACE_SECONDS"] = str(a.drain_seconds)
+    certs = tls_env or {}
+
+    def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
+               python: str = sys.executable) -> subprocess.Popen[bytes]:
+        cert = "worker" if name.startswith("worker-") else name
+        return _spawn_process(name, module, args, {**child_env, **certs.get(cert, {})}, python)
+
+    plan = _Plan(a, env, _spawn, {}, [], [])
+    for name in check_mesh():
+        STARTERS[name](plan)
+    return plan.procs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,9 @@ class ServiceSpec:
     """Its listening port (gRPC, or HTTP for the gateway)."""
     calls: tuple[str, ...]
     """Services it dials."""
+    registers_with: tuple[str, ...] = ()
+    """Services it streams to by name rather than through a balanced call (a worker's KV events to every router);
+    they start first too."""
     health: str = ""
     """grpc.health.v1 service name ("" for the HTTP gateway)."""
     protocol: str = "grpc"
@@ -44,14 +47,17 @@ def load(path: Path | str = MESH_YAML) -> dict[str, ServiceSpec]:
     for name, s in (doc.get("services") or {}).items():
         try:
             services[name] = ServiceSpec(name=name, module=str(s["module"]), port=int(s["port"]),
-                                         calls=tuple(s.get("calls") or ()), health=str(s.get("health", "")),
+                                         calls=tuple(s.get("calls") or ()),
+                                         registers_with=tuple(s.get("registers_with") or ()),
+                                         health=str(s.get("health", "")),
                                          protocol=str(s.get("protocol", "grpc")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: services.{name}: needs module and an integer port ({e})") from None
     for s in services.values():
-        unknown = [c for c in s.calls if c not in services]
-        if unknown:
-            raise ValueError(f"{path}: services.{s.name}.calls names unknown services {unknown}")
+        for key in ("calls", "registers_with"):
+            unknown = [c for c in getattr(s, key) if c not in services]
+            if unknown:
+                raise ValueError(f"{path}: services.{s.name}.{key} names unknown services {unknown}")
     return services
 
 
@@ -66,7 +72,7 @@ def start_order(services: dict[str, ServiceSpec]) -> list[str]:
         if state.get(name) == 1:
             raise ValueError(f"mesh.yaml: calls form a cycle: {' -> '.join((*path, name))}")
         state[name] = 1
-        for callee in services[name].calls:
+        for callee in (*services[name].calls, *services[name].registers_with):
             visit(callee, (*path, name))
         state[name] = 2
         order.append(name)

@@ -118,7 +118,14 @@ def start_mesh(
     mesh with mutual TLS (the launcher's ``--tls``); the CA and certificates are in ``mesh.extra["tls_dir"]``
     (``client.pem`` / ``client-key.pem`` hold a mesh client certificate). ``gateway_tls=True`` (with ``tls``)
     serves the REST API over HTTPS too."""
-    (gw, pre, router, embed, vs), ports = _listen_ports(5, workers)
+    from embedmesh.launcher import MESH, PORT_FLAGS
+
+    # Every service deploy/mesh.yaml lists gets a free port through its launcher flag (the workers a run of them).
+    singles = [name for name in MESH if name != "worker"]
+    listen, ports = _listen_ports(len(singles), workers)
+    port = dict(zip(singles, listen, strict=True))
+    gw, pre, router, embed, vs = (port[n] for n in ("gateway", "preprocessor", "router", "worker-embed",
+                                                    "vector-store"))
     import tempfile
 
     vs_dir = tempfile.mkdtemp(prefix="embedmesh-vs-")
@@ -127,9 +134,8 @@ def start_mesh(
     log_path = os.path.join(log_dir, f"embedmesh-mesh-{gw}.log")
     log = open(log_path, "wb")
     metrics_base = _metrics_base(workers)
-    cmd = [sys.executable, "-m", "embedmesh.launcher", "--gateway-port", str(gw), "--preprocessor-port", str(pre),
-           "--metrics-port-base", str(metrics_base), "--router-port", str(router),
-           "--embed-worker-port", str(embed), "--vector-store-port", str(vs), "--vector-store-data-dir", vs_dir,
+    cmd = [sys.executable, "-m", "embedmesh.launcher", *(x for n in singles for x in (PORT_FLAGS[n], str(port[n]))),
+           "--metrics-port-base", str(metrics_base), "--vector-store-data-dir", vs_dir,
            *(["--tls", "--tls-dir", tls_dir] if tls_dir else []), *(["--gateway-tls"] if gateway_tls else []),
            *(extra_args or []),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]

@@ -158,3 +158,83 @@ def test_gateway_tls_serves_https() -> None:
             assert json.loads(r.read())["status"] == "ok"
     finally:
         mesh.stop()
+
+
+class _FakeProc:
+    pid = 0
+
+
+def _plan(argv: list[str]) -> list[tuple[str, str, list[str]]]:
+    """What start_mesh would start for ``argv``: (label, module, args), with nothing spawned."""
+    a = launcher.parse_args(argv)
+    started: list[tuple[str, str, list[str]]] = []
+
+    def spawn(label: str, module: str, args: list[str], env: dict[str, str], python: str = "") -> _FakeProc:
+        started.append((label, module, args))
+        return _FakeProc()
+
+    plan = launcher._Plan(a, dict(os.environ), spawn, {}, [], [])
+    for name in launcher.check_mesh():
+        launcher.STARTERS[name](plan)
+    return started
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_calls() -> None:
+    """deploy/mesh.yaml is the one description: the launcher's default ports are its ports, every service in it
+    starts (callees first) with its module, and each caller gets its callees' addresses."""
+    started = _plan(["--workers", "2"])
+    by_label = {label: (module, args) for label, module, args in started}
+    assert [label for label, _, _ in started] == ["router", "worker-0", "worker-1", "embed-worker", "preprocessor",
+                                                 "vector-store", "gateway"]
+    mesh = launcher.MESH
+    names = {"router": "router", "worker-0": "worker", "worker-1": "worker", "embed-worker": "worker-embed",
+             "preprocessor": "preprocessor", "vector-store": "vector-store", "gateway": "gateway"}
+    assert set(names.values()) == set(mesh)
+    for label, (module, _) in by_label.items():
+        assert module == mesh[names[label]].module
+    assert _arg(by_label["gateway"][1], "--port") == str(mesh["gateway"].port)
+    assert _arg(by_label["router"][1], "--port") == str(mesh["router"].port)
+    assert _arg(by_label["worker-0"][1], "--port") == str(mesh["worker"].port)
+    assert _arg(by_label["embed-worker"][1], "--port") == str(mesh["worker-embed"].port)
+    pre = by_label["preprocessor"][1]
+    assert _arg(pre, "--port") == str(mesh["preprocessor"].port)
+    w = [f"127.0.0.1:{mesh['worker'].port}", f"127.0.0.1:{mesh['worker'].port + 1}",
+         f"127.0.0.1:{mesh['worker-embed'].port}"]
+    assert _arg(pre, "--workers") == ",".join(w)
+    assert _arg(pre, "--routers") == f"127.0.0.1:{mesh['router'].port}"
+    assert _arg(by_label["worker-1"][1], "--routers") == f"127.0.0.1:{mesh['router'].port}"
+    assert "--routers" not in by_label["embed-worker"][1]
+    assert _arg(by_label["vector-store"][1], "--inference-addr") == f"127.0.0.1:{mesh['preprocessor'].port}"
+    gw = by_label["gateway"][1]
+    assert _arg(gw, "--preprocessor") == f"127.0.0.1:{mesh['preprocessor'].port}"
+    assert _arg(gw, "--vector-store") == f"127.0.0.1:{mesh['vector-store'].port}"
+    for name, flag in launcher.PORT_FLAGS.items():  # each port flag's default is that service's mesh.yaml port
+        assert getattr(launcher.parse_args([]), flag[2:].replace("-", "_")) == mesh[name].port
+
+
+def test_services_switched_off_are_not_started_nor_handed_to_callers() -> None:
+    started = _plan(["--router-port", "0", "--vector-store-port", "0", "--embed-worker-port", "0"])
+    labels = [label for label, _, _ in started]
+    assert labels == ["worker-0", "preprocessor", "gateway"]
+    pre = started[1][2]
+    assert "--routers" not in pre and "--routers" not in started[0][2]
+    assert _arg(pre, "--workers") == f"127.0.0.1:{launcher.MESH['worker'].port}"
+    assert "--vector-store" not in started[2][2]
+
+
+def test_a_service_or_call_mesh_yaml_adds_without_a_starter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedmesh.mesh_spec import ServiceSpec
+
+    extra = {**launcher.MESH, "reranker": ServiceSpec("reranker", "embedmesh.reranker", 50111, ())}
+    monkeypatch.setattr(launcher, "MESH", extra)
+    with pytest.raises(SystemExit, match=r"services \['reranker'\], calls \[\]; add them to STARTERS"):
+        launcher.check_mesh()
+    gw = launcher.MESH["gateway"]
+    calls_more = {**launcher.MESH, "gateway": ServiceSpec("gateway", gw.module, gw.port, (*gw.calls, "router"))}
+    monkeypatch.setattr(launcher, "MESH", calls_more)
+    with pytest.raises(SystemExit, match=r"calls \['gateway -> router'\]"):
+        launcher.check_mesh()

@@ -19,6 +19,7 @@ def test_the_checkout_description_lists_the_mesh_with_importable_modules() -> No
         assert 0 < s.port < 65536
     assert services["gateway"].protocol == "http" and services["gateway"].port == 8000
     assert services["preprocessor"].calls == ("worker", "worker-embed", "router")
+    assert services["worker"].registers_with == ("router",)
 
 
 def test_start_order_puts_every_callee_first() -> None:
@@ -26,8 +27,9 @@ def test_start_order_puts_every_callee_first() -> None:
     order = mesh_spec.start_order(services)
     assert sorted(order) == sorted(services)
     for name, s in services.items():
-        for callee in s.calls:
+        for callee in (*s.calls, *s.registers_with):
             assert order.index(callee) < order.index(name), (callee, name)
+    assert order.index("router") < order.index("worker"), "workers stream KV events to a router already up"
     assert order[-1] == "gateway"
 
 
