@@ -224,6 +224,8 @@ async def run_backend(backend: str, data: np.ndarray, queries: np.ndarray, a: ar
         await index.search(sid, queries[0], K, None, None)  # loads: builds the graph from the rows
         report["build_s"] = time.perf_counter() - t0
         report["graph_s"] = sum(graph_add_s)
+        print(f"... rows written in {report['load_s']:.1f} s, graph built from them in {report['build_s']:.1f} s",
+              flush=True)
         report["rss_delta"] = rss() - rss0
         g = index._graphs[sid]  # type: ignore[attr-defined]
         report["hnsw_bytes"] = g.index.index_file_size()
@@ -256,6 +258,7 @@ async def run_backend(backend: str, data: np.ndarray, queries: np.ndarray, a: ar
                 "raw1": len(queries) / wallr, "raw1_p50": pct(latr, 50), "raw1_p99": pct(latr, 99),
                 "raw2": len(queries) / wallb})
             assert recall(labels1, truth, pos) == report["sweep"][-1]["raw_recall"]
+            print(f"... ef={ef}: recall@10 {report['sweep'][-1]['recall']:.3f}", flush=True)
         index.ef_search = a.ef  # type: ignore[attr-defined]
     await index.close()
     db.close()
