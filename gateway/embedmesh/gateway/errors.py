@@ -1,7 +1,8 @@
 """OpenAI error JSON ``{"error": {"message", "type", "param", "code"}}`` for request checks and failed gRPC calls.
 
     ApiError          any request the gateway answers with an OpenAI error body (HTTP status + the four fields)
-    bad_request()     a 400 naming the offending parameter, built by the JSON checks in ``translate``
+    bad_request()     a 400 naming the offending parameter: what ``requests.parse`` makes of a refused body (the
+                      request models' one way to an OpenAI error)
     from_grpc()       a failed call to the preprocessor, mapped by status code (table below)
 
 gRPC → HTTP: INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE → 400 ``invalid_request_error``,

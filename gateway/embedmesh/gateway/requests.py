@@ -150,8 +150,8 @@ def parse(model: type[T], body: dict[str, Any]) -> T:
     except msgspec.ValidationError as e:
         err = _walk(model, body, "")
         if err is None:  # the model and its walk disagree: still a 400 naming the place msgspec names
-            path = str(e).rpartition(" - at `$")[2].rstrip("`").lstrip(".")
-            err = bad_request(path or "body", str(e).partition(" - at ")[0], "invalid_value")
+            message, _, path = str(e).partition(" - at `$")
+            err = bad_request(path.rstrip("`").lstrip(".") or "body", message, "invalid_value")
         raise err from None
 
 
@@ -330,13 +330,15 @@ def _is_num(v: Any) -> bool:
         return False
 
 
-def int_field(low: int, high: int, message: str | Callable[[Any, Any], str], code: str | Callable[[Any, Any], str] =
-        "invalid_value") -> Any:
+def int_field(low: int, high: int, message: str | Callable[[Any, Any], str],
+              code: str | Callable[[Any, Any], str] = "invalid_value") -> Any:
+    """An integer in [low, high] (a bool is not one), refused in ``Say(message, code)``."""
     return Annotated[int, Meta(ge=low, le=high), Say(message, code)]
 
 
 def float_field(message: str | Callable[[Any, Any], str], code: str | Callable[[Any, Any], str] = "invalid_value",
-          **bounds: float) -> Any:
+                **bounds: float) -> Any:
+    """A number (an int is one, a bool is not) within ``bounds`` (Meta's ge/gt/le), refused in ``Say``."""
     return Annotated[float, Meta(**bounds), Say(message, code)]
 
 
@@ -411,8 +413,8 @@ docs/openai-fields.md."""
 
 
 def _unsupported(name: str, is_set: Callable[[Any], bool], why: str) -> Check:
-    """A parameter of OpenAI's API this server does not implement: refused unless it has its neutral value (the
-    neutral values a type can say are in the field's type: ``Unsupported``)."""
+    """A parameter of OpenAI's API this server does not implement: refused unless it has a neutral value (those
+    whose neutral values are a type, like ``Store``, say it in their type instead)."""
     def check(obj: Any) -> None:
         if is_set(getattr(obj, name)):
             raise Refusal(name, why, "unsupported_parameter")
