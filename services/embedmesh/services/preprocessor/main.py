@@ -15,9 +15,11 @@ from embedmesh.inference.v1 import inference_pb2_grpc
 from embedmesh.services.encoder_cache.service import SERVICE_NAME as CACHE_SERVICE
 from embedmesh.services.encoder_cache.service import EncoderCacheServicer
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
+from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.prompts import Tokenizer
+from embedmesh.services.preprocessor.service import InferenceDomain, Limits, ServedModels
 from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import RouteClient
@@ -60,11 +62,14 @@ async def serve(config: PreprocessorConfig) -> None:
                                                   max_message_bytes=public_message_cap(config),
                                                   metrics_port=config.metrics_port, public=True,
                                                   grace_seconds=config.drain_seconds))
+    # One tokenizer and chat template per served model (the default pair for models not listed).
+    models = ServedModels(pool, tokenizer, template, texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
+                                                            for name, f in config.model_tokenizers})
+    domain = InferenceDomain(pool, cache, models, Limits(max_n=config.max_n, max_prompts=config.max_prompts,
+                                                         max_embeds_bytes=config.max_embeds_bytes), router)
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
-               InferenceServicer(pool, tokenizer, template, config, cache, router,
-                                 texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
-                                        for name, f in config.model_tokenizers}), SERVICE_NAME,
+               InferenceServicer(domain, MeshAdmin(pool, config.routers), config.max_inflight), SERVICE_NAME,
                access=Access.PUBLIC, methods={"GetMeshHealth": Access.OPEN, "LoadLoraAdapter": Access.ADMIN,
                                               "UnloadLoraAdapter": Access.ADMIN, "SleepWorkers": Access.ADMIN,
                                               "WakeUpWorkers": Access.ADMIN, "IsSleeping": Access.ADMIN})
