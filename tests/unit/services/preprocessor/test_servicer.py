@@ -1,0 +1,71 @@
+"""The servicer's proto <-> domain conversion (servicer.py): prompt_embeds named as clients number them, the
+bytes core.wire cut out of the request taken as they are, chat parts and tools carried unchecked to the domain,
+and results written back field for field."""
+
+from __future__ import annotations
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.core import tensors
+from embedmesh.inference.v1 import inference_pb2
+from embedmesh.services.preprocessor.pipeline import Usage
+from embedmesh.services.preprocessor.service import Choice, Completion, Stream
+from embedmesh.services.preprocessor.servicer import _chat_request, _completion_request, _response, _stream_message
+from embedmesh.tensor.v1 import tensor_pb2
+
+
+def test_completion_params_become_a_completion_request() -> None:
+    tensor = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[1, 2], data=b"\0" * 8)
+    params = inference_pb2.CompletionParams(
+        model="m", prompts=["a"], prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2])], echo=True,
+        prompt_embeds=[inference_pb2.PromptEmbeds(tensor=tensor),
+                       inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor()),
+                       inference_pb2.PromptEmbeds(cache_id="emb-1"), inference_pb2.PromptEmbeds()])
+    received = memoryview(b"serialized bytes")
+    tensors.set_wire_views({"prompt_embeds[1]": received})
+    try:
+        request = _completion_request(params)
+    finally:
+        tensors.set_wire_views(None)
+    assert (request.model, request.n, list(request.texts), request.echo) == ("m", None, ["a"], True)
+    assert [list(t) for t in request.token_prompts] == [[1, 2]]
+    first, encoded, upload, empty = request.embeds
+    assert first.tensor == tensor and first.array is None  # read (and checked) later, by the domain
+    assert encoded.encoded is received  # the view of the received request, not a copy
+    assert upload.cache_id == "emb-1"
+    assert (empty.tensor, empty.encoded, empty.array, empty.cache_id) == (None, None, None, "")
+    assert request.prefix is None
+    with_n = _completion_request(inference_pb2.CompletionParams(model="m", n=3))
+    assert with_n.n == 3
+
+
+def test_chat_params_become_a_chat_request() -> None:
+    params = inference_pb2.ChatParams(model="m", messages=[
+        inference_pb2.ChatMessage(role="user", parts=[
+            inference_pb2.ChatContentPart(text="hi"),
+            inference_pb2.ChatContentPart(prompt_embeds=inference_pb2.PromptEmbeds(cache_id="emb-1"))]),
+        inference_pb2.ChatMessage(role="assistant", tool_calls=[inference_pb2.ToolCall(name="f", arguments="{}")]),
+    ], tools=[inference_pb2.Tool(name="f")], tool_choice=inference_pb2.ToolChoice(mode="required"))
+    request = _chat_request(params)
+    user, assistant = request.messages
+    assert user.parts[0].text == "hi" and user.parts[1].embeds is not None
+    assert user.parts[1].embeds.cache_id == "emb-1"
+    assert list(assistant.tool_calls) == [("f", "{}")]
+    assert (request.tools.tools, request.tools.choice, request.tools.mode) == ((("f", "", ""),), "mode", "required")
+
+
+def test_results_are_written_back_field_for_field() -> None:
+    lp = common_pb2.TokenLogprob(token_id=1, logprob=-1.0)
+    call = inference_pb2.ToolCall(id="call_1", name="f", arguments="{}")
+    result = Completion("id", "m", [Choice(0, "t", [1], common_pb2.FINISH_REASON_STOP, [lp], [lp], [call])],
+                        Usage(3, 1))
+    out = _response(inference_pb2.CompleteResponse, result)
+    assert out == inference_pb2.CompleteResponse(
+        id="id", model="m", usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4),
+        choices=[inference_pb2.Choice(index=0, text="t", token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP,
+                                      logprobs=[lp], prompt_logprobs=[lp], tool_calls=[call])])
+    stream = Stream("id", "m", None)  # type: ignore[arg-type]
+    delta = _stream_message(inference_pb2.StreamCompleteResponse, stream, Choice(2, "x", (5,)))
+    assert delta.SerializeToString() == inference_pb2.StreamCompleteResponse(
+        id="id", model="m", index=2, text="x", token_ids=[5]).SerializeToString()
+    usage = _stream_message(inference_pb2.StreamChatResponse, stream, Usage(1, 2))
+    assert usage.usage.total_tokens == 3 and usage.id == "id"
