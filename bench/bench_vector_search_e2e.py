@@ -13,13 +13,14 @@ chunk embedded by the mesh's embedding worker). Then, at 1 and at 8 concurrent c
     search alone (no gateway, no embedding: the index and the chunk rows);
   * the embedding's limit: the same hf-embed engine (one thread, as the worker runs it) called in this process.
 
-Every query is new unless the row says repeated: the encoder cache answers a repeated input without the model, so
-"the same query" twice would measure the cache, not the embedding.
+The paths take turns (``--rounds``, each row's requests split over them), so a change in the shared machine's
+load falls on every path alike. Every query is new unless the row says repeated: the encoder cache answers a
+repeated input without the model, so "the same query" twice would measure the cache, not the embedding.
 
 The index at 1M vectors is measured on its own (with its limits) by ``bench_vector_store.py``; here the store is
 small (``--files`` files of a few chunks) because every chunk is embedded by the model on 2 cores.
 
-    python bench/bench_vector_search_e2e.py [--quick] [--files 40] [--requests 200]
+    python bench/bench_vector_search_e2e.py [--quick] [--files 40] [--requests 200] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -143,18 +144,23 @@ GRPC_SEARCH = "gRPC search, query_embedding"
 ENGINE = "limit: hf-embed engine in-process"
 
 
-async def measure(base_url: str, vs_addr: str, store_id: str, fresh: Fresh, requests: int,
+async def measure(base_url: str, vs_addr: str, store_id: str, fresh: Fresh, requests: int, rounds: int,
                   clients_list: list[int]) -> list[tuple[str, int, list[float], float]]:
+    """Each path in ``rounds`` turns of ``requests / rounds`` calls, the paths taking turns, so a change in the
+    machine's load (it is shared) falls on every path alike."""
     import grpc
     import httpx
 
     from embedmesh.core.tensors import from_numpy
+    from embedmesh.models.minilm import minilm_dir
+    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
     from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
     from embedmesh.vectorstore.v1 import vectorstore_pb2_grpc as pb_grpc
 
-    n = requests + WARM
+    per = max(1, requests // rounds)
+    n = per + WARM
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    rows: list[tuple[str, int, list[float], float]] = []
+    out: dict[tuple[str, int], tuple[list[float], float]] = {}
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as http, \
             grpc.aio.insecure_channel(vs_addr) as channel:
         stub = pb_grpc.VectorStoreServiceStub(channel)
@@ -183,38 +189,28 @@ async def measure(base_url: str, vs_addr: str, store_id: str, fresh: Fresh, requ
                 vector_store_id=store_id, query_embedding=from_numpy(vectors[i])))
             assert r.data, "a search found nothing"
 
-        for clients in clients_list:
-            searched = fresh.take(n)
-            for name, call in [(SEARCH, rest_search(searched)), (EMBED, rest_embed(fresh.take(n))),
-                               (SEARCH_CACHED, rest_search(searched)), (GRPC_SEARCH, grpc_search)]:
-                lat, wall = await drive(call, clients, requests)
-                rows.append((name, clients, lat, wall))
-                print(f"... {name}, {clients} clients: p50 {pct(lat, 50):.1f} ms", flush=True)
-    return rows
+        # The embedding's limit: the worker's engine (1 thread, as the mesh runs it) in this process.
+        engine = HFEmbedEngine(HFEmbedConfig(minilm_dir(), MODEL, threads=1))
+        await engine.start()
 
-
-async def in_process_embed(fresh: Fresh, requests: int,
-                           clients_list: list[int]) -> list[tuple[str, int, list[float], float]]:
-    """The embedding's limit: the worker's hf-embed engine (1 thread, as the mesh runs it) called in this process."""
-    from embedmesh.models.minilm import minilm_dir
-    from embedmesh.services.worker.engines.hf_embed.engine import HFEmbedConfig, HFEmbedEngine
-
-    engine = HFEmbedEngine(HFEmbedConfig(minilm_dir(), MODEL, threads=1))
-    await engine.start()
-
-    rows = []
-    try:
-        for clients in clients_list:
-            texts = fresh.take(requests + WARM)
-
-            async def embed(i: int, texts: list[str] = texts) -> None:
+        def in_process(texts: list[str]) -> Callable[[int], Awaitable[None]]:
+            async def call(i: int) -> None:
                 await engine.embed([texts[i]])
+            return call
 
-            lat, wall = await drive(embed, clients, requests)
-            rows.append((ENGINE, clients, lat, wall))
-    finally:
+        for clients in clients_list:
+            for _ in range(rounds):
+                searched = fresh.take(n)
+                for name, call in [(SEARCH, rest_search(searched)), (EMBED, rest_embed(fresh.take(n))),
+                                   (SEARCH_CACHED, rest_search(searched)), (GRPC_SEARCH, grpc_search),
+                                   (ENGINE, in_process(fresh.take(n)))]:
+                    lat, wall = await drive(call, clients, per)
+                    before, spent = out.get((name, clients), ([], 0.0))
+                    out[(name, clients)] = (before + lat, spent + wall)
+            for name in (SEARCH, EMBED, SEARCH_CACHED, GRPC_SEARCH, ENGINE):
+                print(f"... {name}, {clients} clients: p50 {pct(out[(name, clients)][0], 50):.1f} ms", flush=True)
         await engine.shutdown()
-    return rows
+    return [(name, clients, lat, wall) for (name, clients), (lat, wall) in out.items()]
 
 
 def main() -> int:
@@ -223,9 +219,10 @@ def main() -> int:
     p.add_argument("--files", type=int, default=40)
     p.add_argument("--words", type=int, default=600, help="words per file")
     p.add_argument("--requests", type=int, default=200, help="requests per row")
+    p.add_argument("--rounds", type=int, default=4, help="turns the paths take (each row's requests split over them)")
     a, _ = p.parse_known_args()
     if a.quick:
-        a.files, a.requests = 10, 60
+        a.files, a.requests, a.rounds = 10, 60, 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     fresh = Fresh()
     mesh = start_mesh(workers=1, env={"EMBEDMESH_TRACE_CONSOLE": "0"})
@@ -235,11 +232,9 @@ def main() -> int:
         print(f"... store: {a.files} files, {chunks} chunks, ingested in {ingest_s:.1f} s "
               f"(setup {time.perf_counter() - t0:.1f} s)", flush=True)
         rows = asyncio.run(measure(mesh.base_url, str(mesh.extra["vector_store"]), store_id, fresh, a.requests,
-                                   [1, 8]))
+                                   a.rounds, [1, 8]))
     finally:
         mesh.stop()
-    rows += asyncio.run(in_process_embed(fresh, a.requests, [1, 8]))
-    rows.sort(key=lambda r: r[1])  # by clients, each path in the order measured
     print(f"\nPOST /v1/vector_stores/{{id}}/search end to end ({MODEL} embeds the query; embedded hnswlib index, "
           f"{chunks} chunks; {a.requests} requests per row, each query new unless 'repeated'; {os.cpu_count()} cores)")
     print(f"{'path':<40} {'clients':>7} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
