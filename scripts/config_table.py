@@ -28,6 +28,8 @@ CONFIGS: list[tuple[str, str, str, str]] = [
     ("preprocessor", "embedmesh.services.preprocessor.main", "embedmesh.services.preprocessor.config",
      "PreprocessorConfig"),
     ("router", "embedmesh.services.router.main", "embedmesh.services.router.config", "RouterConfig"),
+    ("worker (every engine's options)", "embedmesh.services.worker.main", "embedmesh.services.worker.config",
+     "WorkerConfig"),
     ("vector store", "embedmesh.services.vector_store.main", "embedmesh.services.vector_store.config",
      "VectorStoreConfig"),
 ]

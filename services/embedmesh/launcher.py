@@ -349,7 +349,7 @@ def _start_workers(p: _Plan) -> None:
             args += ["--lora-root", a.lora_root]
         if a.lora_modules:
             args += ["--lora-modules", *a.lora_modules]
-        if a.engine in ("vllm", "sglang") and (a.enable_lora or a.lora_modules):
+        if registry.spec(a.engine).lora_needs_flag and (a.enable_lora or a.lora_modules):
             args += ["--enable-lora"]
         if registry.venv_of(a.engine) and m in ("default", "SmolLM2-135M-Instruct"):
             # An engine's own venv holds no model packages: hand it the converted folder and the served name.

@@ -238,3 +238,11 @@ def test_a_service_or_call_mesh_yaml_adds_without_a_starter_is_refused(monkeypat
     monkeypatch.setattr(launcher, "MESH", calls_more)
     with pytest.raises(SystemExit, match=r"calls \['gateway -> router'\]"):
         launcher.check_mesh()
+
+
+def test_enable_lora_reaches_only_engines_that_need_the_flag() -> None:
+    hf = _plan(["--lora-modules", "a=x", "--router-port", "0", "--vector-store-port", "0"])
+    assert "--enable-lora" not in hf[0][2] and _arg(hf[0][2], "--lora-modules") == "a=x"
+    from embedmesh.services.worker.engines import registry
+
+    assert [n for n in registry.names() if registry.spec(n).lora_needs_flag] == ["vllm", "sglang"]

@@ -42,6 +42,9 @@ class EngineSpec:
     """Launcher flag naming the venv the engine runs in (``--vllm-venv``), or None: this checkout's venv."""
     tasks: tuple[str, ...] = ("generate",)
     """What it can serve: "generate", "embed"."""
+    lora_needs_flag: bool = False
+    """LoRA adapters only with ``--enable-lora`` (the engine reserves adapter slots at start); the launcher passes
+    it when adapters are asked for."""
     venv_env: tuple[tuple[str, str], ...] = ()
     """Environment defaults the launcher sets for a worker in that venv (the caller's environment wins)."""
 
@@ -83,8 +86,10 @@ register(EngineSpec("hf", hf.build, "transformers causal LM on the CPU with cont
 register(EngineSpec("hf-embed", hf_embed.build, "sentence-transformers embedding model (/v1/embeddings)",
                     options=hf_embed.HFEmbedOptions, tasks=("embed",)))
 register(EngineSpec("vllm", vllm.build, "vLLM's AsyncLLM (CPU build here; GPU in production)",
-                    options=vllm.VLLMOptions, venv="--vllm-venv", venv_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),)))
+                    options=vllm.VLLMOptions, venv="--vllm-venv", venv_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),
+                    lora_needs_flag=True))
 register(EngineSpec("sglang", sglang.build, "SGLang's Engine (embeddings on CPU; generation on GPU)",
-                    options=sglang.SGLangOptions, venv="--sglang-venv", tasks=("embed", "generate")))
+                    options=sglang.SGLangOptions, venv="--sglang-venv", tasks=("embed", "generate"),
+                    lora_needs_flag=True))
 register(EngineSpec("echo", echo.build, "no model: echoes the prompt (overhead benchmarks)",
                     options=echo.EchoOptions))
