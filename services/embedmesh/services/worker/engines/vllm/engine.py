@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from embedmesh.core import context
+from embedmesh.core.context import check_context
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import Structured
@@ -336,10 +338,8 @@ class VLLMEngine(Engine):
 
             lid, path = self._loras[request.lora_adapter]
             lora = LoRARequest(request.lora_adapter, lid, path)
-        if request.prompt_len + request.sampling.max_tokens > info.max_context_tokens:
-            raise InvalidArgument(
-                f"prompt ({request.prompt_len}) + max_tokens ({request.sampling.max_tokens}) exceeds the context of "
-                f"{info.max_context_tokens}", field="max_tokens", reason="CONTEXT_OVERFLOW")
+        check_context(request.prompt_len, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
+                      wording=context.ENGINE)
         rid = request.request_id
         self._running.add(rid)
         finished = False
