@@ -1,18 +1,17 @@
-"""What the preprocessor calls: ``await client.route(model, hashes, prompt_len)`` -> a ``RouteDecision``.
+"""What the preprocessor calls: ``await client.route(model, hashes, prompt_len)`` -> a ``RouteDecision``, or None.
 
-Router replicas are tried in turn (a different one first each call). When none answers, the client still decides:
-round robin over the workers it knows to be healthy — those the caller's ``healthy_workers`` names, else the
-candidates the router listed in its last answers — marks the decision ``fallback=True`` and counts it in
-``embedmesh_router_fallback_total``. It returns None only when it knows no worker at all (the caller then uses
-its own pool). A router that failed is skipped for ``retry_after`` seconds, so an outage costs one timeout, not one
-per request.
+Router replicas are tried in turn (a different one first each call). When none answers, ``route`` returns None,
+counts it in ``embedmesh_router_fallback_total`` (by reason) and warns once per outage; the caller then picks from
+its own worker pool (round robin over the healthy workers it knows, those the router named before included). That
+pool is the one fallback: this client keeps no worker list of its own. A router that failed is skipped for
+``retry_after`` seconds, so an outage costs one timeout, not one per request.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,38 +44,32 @@ class RouteDecision:
     """Where to send a prompt."""
 
     worker_id: str
-    """Router's worker id ("" for a fallback decision)."""
+    """Router's worker id."""
     address: str
     """host:port of the chosen WorkerService."""
     overlap_blocks: int = 0
     """Prefix blocks the chosen worker already caches (0 when unknown)."""
     candidates: list[CandidateCost] = field(default_factory=list)
-    """Every candidate, cheapest first (empty for a fallback decision)."""
-    fallback: bool = False
-    """True when no router answered and the client chose round robin."""
+    """Every candidate, cheapest first."""
     adapter_missing: bool = False
     """The request named an adapter no worker holds; the worker was picked by load (load it there first)."""
 
 
 class RouteClient:
-    """Asks the router replicas; falls back to round robin (see the module docstring)."""
+    """Asks the router replicas; None when none answers (see the module docstring)."""
 
     def __init__(self, routers: Sequence[str], block_size: int, timeout: float = 0.5,
-                 healthy_workers: Callable[[str], Sequence[str]] | None = None, retry_after: float = 2.0) -> None:
+                 retry_after: float = 2.0) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self.timeout = timeout
         self.retry_after = retry_after
         self.routers = list(routers)
-        self._healthy = healthy_workers
         self._channels = [insecure_channel(a) for a in self.routers]
         self._stubs = [router_pb2_grpc.RouterServiceStub(c) for c in self._channels]
         self._down_until = [0.0] * len(self._stubs)
         self._next = itertools.count()
-        self._rr = itertools.count()
-        self._known: dict[str, list[str]] = {}
-        """model -> worker addresses from the router's last answer (the fallback's default worker list)."""
         self._warned = False
 
     async def close(self) -> None:
@@ -85,8 +78,8 @@ class RouteClient:
 
     async def route(self, model: str, hashes: Sequence[int], prompt_tokens: int,
                     request_id: str = "", adapter: str = "") -> RouteDecision | None:
-        """The router's choice; else a round-robin fallback; None when no worker is known at all. With
-        ``adapter`` (a LoRA adapter's name; ``hashes`` its chain) only workers holding it are considered."""
+        """The router's choice; None when no router answered (the caller's pool decides). With ``adapter`` (a LoRA
+        adapter's name; ``hashes`` its chain) only workers holding it are considered."""
         req = router_pb2.RouteRequest(model=model, block_hashes=hashes, block_size=self.block_size,
                                       prompt_tokens=prompt_tokens, request_id=request_id, lora_adapter=adapter)
         n = len(self._stubs)
@@ -112,21 +105,12 @@ class RouteClient:
                     self._down_until[k] = time.monotonic() + self.retry_after
                 continue
             self._warned = False
-            decision = _decision(resp)
-            if not adapter:  # an adapter's candidates are only its holders
-                self._known[model] = [c.address for c in decision.candidates]
-            return decision
-        return self._fallback(model, reason)
-
-    def _fallback(self, model: str, reason: str) -> RouteDecision | None:
+            return _decision(resp)
         FALLBACKS.labels(reason).inc()
         if not self._warned:
             self._warned = True
             log.warning("router unavailable; routing round robin", extra={"reason": reason})
-        workers = list(self._healthy(model)) if self._healthy else self._known.get(model, [])
-        if not workers:
-            return None
-        return RouteDecision("", workers[next(self._rr) % len(workers)], fallback=True)
+        return None
 
 
 def _decision(resp: router_pb2.RouteResponse) -> RouteDecision:
