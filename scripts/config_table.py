@@ -32,6 +32,8 @@ CONFIGS: list[tuple[str, str, str, str]] = [
      "WorkerConfig"),
     ("vector store", "embedmesh.services.vector_store.main", "embedmesh.services.vector_store.config",
      "VectorStoreConfig"),
+    ("encoder cache (standalone)", "embedmesh.services.encoder_cache.main", "embedmesh.services.encoder_cache.main",
+     "EncoderCacheConfig"),
 ]
 """(title, main module, config module, class) of every process documented in the README, in the README's order."""
 

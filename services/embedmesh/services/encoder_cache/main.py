@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
+from dataclasses import dataclass
 
 from embedmesh.cache.v1 import cache_pb2_grpc
+from embedmesh.core.config import Settings, option
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions
@@ -18,26 +18,39 @@ from embedmesh.services.encoder_cache.tiered import DEFAULT_MAX_TTL_SECONDS, Cac
 log = get_logger("embedmesh.encoder_cache")
 
 
+@dataclass(frozen=True)
+class EncoderCacheConfig(Settings, service="cache", prog="embedmesh-encoder-cache",
+                         description="Run the encoder cache API standalone (L1, over Redis when --redis-url)."):
+    """The standalone encoder cache's settings (``core/config.py``: ``--field-name``, ``EMBEDMESH_CACHE_<FIELD>``)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 50071
+    """gRPC port (0 = any free port)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port (0 = none)."""
+    redis_url: str = option("", aliases=("REDIS_URL",))
+    """L2 Redis URL; empty = L1 only."""
+    capacity_bytes: int = 1 << 30
+    """L1 capacity in bytes."""
+    default_ttl: int = option(3600, aliases=("EMBEDMESH_CACHE_TTL_SECONDS",))
+    """TTL in seconds of entries stored without their own."""
+    max_ttl: int = option(DEFAULT_MAX_TTL_SECONDS, aliases=("EMBEDMESH_CACHE_MAX_TTL_SECONDS",))
+    """Longest ttl_seconds a client may ask for (longer: INVALID_ARGUMENT)."""
+    max_tensor_bytes: int = option(256 << 20, aliases=("EMBEDMESH_MAX_EMBEDS_BYTES",))
+    """Largest tensor a client may store, in bytes."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0 or not 1 <= self.default_ttl <= self.max_ttl or self.max_tensor_bytes < 1024:
+            raise ValueError("capacity must be >= 0, 1 <= default ttl <= max ttl and max tensor bytes >= 1024")
+
+
 def parse(argv: list[str] | None = None) -> tuple[ServerOptions, CacheConfig, int]:
-    env = os.environ
-    p = argparse.ArgumentParser(prog="embedmesh-encoder-cache")
-    p.add_argument("--host", default=env.get("EMBEDMESH_CACHE_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env.get("EMBEDMESH_CACHE_PORT", "50071")))
-    p.add_argument("--metrics-port", type=int, default=int(env.get("EMBEDMESH_CACHE_METRICS_PORT", "0")))
-    p.add_argument("--redis-url", default=env.get("REDIS_URL", ""))
-    p.add_argument("--capacity-bytes", type=int, default=int(env.get("EMBEDMESH_CACHE_CAPACITY_BYTES", 1 << 30)))
-    p.add_argument("--default-ttl", type=int, default=int(env.get("EMBEDMESH_CACHE_TTL_SECONDS", 3600)))
-    p.add_argument("--max-ttl", type=int,
-                   default=int(env.get("EMBEDMESH_CACHE_MAX_TTL_SECONDS", DEFAULT_MAX_TTL_SECONDS)),
-                   help="longest ttl_seconds a client may ask for (longer: INVALID_ARGUMENT)")
-    p.add_argument("--max-tensor-bytes", type=int, default=int(env.get("EMBEDMESH_MAX_EMBEDS_BYTES", 256 << 20)))
-    a = p.parse_args(argv)
-    if a.capacity_bytes < 0 or not 1 <= a.default_ttl <= a.max_ttl or a.max_tensor_bytes < 1024:
-        p.error("capacity must be >= 0, 1 <= default ttl <= max ttl and max tensor bytes >= 1024")
-    return (ServerOptions(host=a.host, port=a.port, metrics_port=a.metrics_port),
-            CacheConfig(capacity_bytes=a.capacity_bytes, redis_url=a.redis_url, default_ttl_seconds=a.default_ttl,
-                        max_ttl_seconds=a.max_ttl),
-            a.max_tensor_bytes)
+    c = EncoderCacheConfig.from_args(argv)
+    return (ServerOptions(host=c.host, port=c.port, metrics_port=c.metrics_port),
+            CacheConfig(capacity_bytes=c.capacity_bytes, redis_url=c.redis_url, default_ttl_seconds=c.default_ttl,
+                        max_ttl_seconds=c.max_ttl),
+            c.max_tensor_bytes)
 
 
 async def serve(options: ServerOptions, config: CacheConfig, max_tensor_bytes: int) -> None:
