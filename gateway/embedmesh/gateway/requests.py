@@ -811,10 +811,14 @@ def _check_parameters(obj: Any) -> None:
         obj.parameters = _schema_text(obj.parameters, "parameters")
 
 
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$"), Say("is required: 1-64 letters, digits, '_' or '-'",
+                                                                      lambda v, o: "missing" if v is None
+                                                                      else "invalid_value")]
+ToolType = Annotated[Literal["function"], Say('must be "function"')]
+
+
 class Function(Model, kw_only=True):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$"),
-                    Say("is required: 1-64 letters, digits, '_' or '-'",
-                        lambda v, o: "missing" if v is None else "invalid_value")]
+    name: ToolName
     description: Annotated[str, Say("must be a string", "invalid_type")] = ""
     parameters: Any = None
     strict: Bool | None = None
@@ -823,17 +827,41 @@ class Function(Model, kw_only=True):
 
 
 class Tool(Model, kw_only=True):
-    type: Annotated[Literal["function"], Say('must be "function"')] = "function"
+    type: ToolType = "function"
     function: Annotated[Function, Say("is required", "missing")]
 
 
-def _check_tool_names(obj: Any) -> None:
+class _FunctionName(Model, kw_only=True):
+    name: ToolName
+
+
+class _ToolName(Model, kw_only=True):
+    """A tool up to its function's name: a name given twice is refused before the rest of that tool is read."""
+
+    type: ToolType = "function"
+    function: Annotated[_FunctionName, Say("is required", "missing")]
+
+
+_NOT_A_TOOL = Say('must be "function"')
+
+
+def _check_tools(obj: Any) -> None:
+    """-> a list of Tool."""
+    tools = obj.tools
+    if not isinstance(tools, list):
+        raise Refusal("tools", 'must be a list of {"type": "function", "function": {...}}', "invalid_type")
     names: set[str] = set()
-    for i, tool in enumerate(obj.tools or ()):
-        name = tool.function.name
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise Refusal(f"{where}.type", 'must be "function"')
+        name = parse_item(_ToolName, t, where, _NOT_A_TOOL).function.name
         if name in names:
-            raise Refusal(f"tools[{i}].function.name", f"{name!r} is given twice", "invalid_value")
+            raise Refusal(f"{where}.function.name", f"{name!r} is given twice", "invalid_value")
         names.add(name)
+        out.append(parse_item(Tool, t, where, _NOT_A_TOOL))
+    obj.tools = out
 
 
 _CHOICE = "must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
@@ -921,8 +949,7 @@ class ChatRequest(Model, kw_only=True, forbid_unknown_fields=True):
     logprobs: Annotated[bool, Say("must be a boolean (use top_logprobs for alternatives)", "invalid_type")] | None \
         = None
     top_logprobs: _Logprobs | None = None
-    tools: Annotated[list[Annotated[Tool, Say('must be "function"', sub=".type")]],
-                     Say('must be a list of {"type": "function", "function": {...}}', "invalid_type")] | None = None
+    tools: Any = None
     tool_choice: Any = None
     messages: Annotated[list[Annotated[Message, Say("must be an object with role and content", "invalid_type")]],
                         Meta(min_length=1), Say("must be a non-empty list of messages")]
@@ -932,7 +959,7 @@ class ChatRequest(Model, kw_only=True, forbid_unknown_fields=True):
     parallel_tool_calls: Any = None
 
     checks = {**_CHAT_UNSUPPORTED, "max_tokens": _check_chat_max_tokens, **_sampling_checks(),
-              "top_logprobs": _check_top_logprobs, "tools": _check_tool_names, "tool_choice": _check_tool_choice}
+              "top_logprobs": _check_top_logprobs, "tools": _check_tools, "tool_choice": _check_tool_choice}
     always = frozenset({"guided_grammar"})
 
 

@@ -94,6 +94,8 @@ REFUSED = [
      "1-64 letters, digits, '_' or '-'", "tools[0].function.name", "invalid_value"),
     (ChatRequest, {**CHAT, "tools": [{"function": {"name": "f"}}, {"function": {"name": "f"}}]},
      "tools[1].function.name: 'f' is given twice", "tools[1].function.name", "invalid_value"),
+    (ChatRequest, {**CHAT, "tools": [{"function": {"name": "f"}}, {"function": {"name": "f", "description": 5}}]},
+     "tools[1].function.name: 'f' is given twice", "tools[1].function.name", "invalid_value"),  # before the rest
     (ChatRequest, {**CHAT, "tools": [5]}, 'tools[0].type: must be "function"', "tools[0].type", "invalid_value"),
     (ChatRequest, {**CHAT, "tool_choice": "required"}, "tool_choice: 'required' needs tools", "tool_choice",
      "invalid_value"),
