@@ -168,6 +168,9 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     """torch threads per worker (0 = the machine's cores shared among the workers)."""
     router_port: int = MESH["router"].port
     """KV router port (0 = no router: round robin)."""
+    embedded_router: bool = False
+    """Run the KV router inside the preprocessor (no router process, no routing hop; workers stream to the
+    preprocessor's port). One preprocessor, as here."""
     metrics_port_base: int = 9100
     """Prometheus ports: preprocessor base+1, router base+2, vector store base+3, embed worker base+9, worker i
     base+10+i (0 = no metrics ports)."""
@@ -306,12 +309,12 @@ class _Plan:
     tokenizers: list[str]
     """``name=folder`` for every model besides the default one: the preprocessor's tokenizer and template of it."""
 
-    def callees(self, name: str) -> list[str]:
-        """``--flag addr[,addr]`` for every started service ``name`` dials (mesh.yaml order)."""
+    def callees(self, name: str, skip: tuple[str, ...] = ()) -> list[str]:
+        """``--flag addr[,addr]`` for every started service ``name`` dials (mesh.yaml order), but ``skip``."""
         spec = MESH[name]
         grouped: dict[str, list[str]] = {}
         for callee in (*spec.calls, *spec.registers_with):
-            if self.addrs.get(callee):
+            if self.addrs.get(callee) and callee not in skip:
                 grouped.setdefault(CALL_FLAGS[(name, callee)], []).extend(self.addrs[callee])
         return [x for flag, addrs in grouped.items() for x in (flag, ",".join(addrs))]
 
@@ -326,6 +329,9 @@ class _Plan:
 
 def _start_router(p: _Plan) -> None:
     a = p.a
+    if a.embedded_router:  # the preprocessor routes; workers stream to its port
+        p.addrs["router"] = [f"{a.host}:{a.preprocessor_port}"]
+        return
     if not a.router_port:
         return
     addr = f"{a.host}:{a.router_port}"
@@ -378,7 +384,10 @@ def _start_embed_worker(p: _Plan) -> None:
 def _start_preprocessor(p: _Plan) -> None:
     a = p.a
     addr = f"{a.host}:{a.preprocessor_port}"
-    args = ["--host", a.host, "--port", str(a.preprocessor_port), *p.callees("preprocessor"), *p.metrics(1)]
+    args = ["--host", a.host, "--port", str(a.preprocessor_port), *p.metrics(1),
+            *p.callees("preprocessor", skip=("router",) if a.embedded_router else ())]
+    if a.embedded_router:
+        args += ["--embedded-router"]
     if a.engine == "echo":
         args += ["--tokenizer", a.model]
     if p.tokenizers:

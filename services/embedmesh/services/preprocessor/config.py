@@ -46,7 +46,11 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     upload_ttl_seconds: int = option(3600, flags=("--upload-ttl",), aliases=("EMBEDMESH_UPLOAD_TTL_SECONDS",))
     """Default lifetime of tensors uploaded once and referred to by id."""
     routers: tuple[str, ...] = option((), aliases=("EMBEDMESH_ROUTERS",), metavar="host:port")
-    """KV router addresses, comma-separated; empty = round robin over the workers."""
+    """KV router addresses, comma-separated; empty = round robin over the workers (or --embedded-router)."""
+    embedded_router: bool = False
+    """Run the KV router in this process, on this port (workers give this address as their --routers): routing
+    costs no network hop. One preprocessor per router: with several replicas, run the router service instead. The
+    router's EMBEDMESH_ROUTER_* settings (weights, stale and approximate-block times) apply."""
     block_size: int = option(16, aliases=("EMBEDMESH_BLOCK_SIZE",))
     """Positions per block for routing hashes (must match the workers')."""
     max_inflight: int = 256
@@ -73,6 +77,8 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.embedded_router and self.routers:
+            raise ValueError("--embedded-router and --routers are exclusive: route in this process or ask routers")
         if not self.workers:
             raise ValueError("at least one worker address is required")
         if self.max_embeds_bytes < 1024:

@@ -12,6 +12,7 @@ from embedmesh.core.security import describe as describe_security
 from embedmesh.core.server import Access, Server, ServerOptions
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.inference.v1 import inference_pb2_grpc
+from embedmesh.router.v1 import router_pb2_grpc
 from embedmesh.services.encoder_cache.service import SERVICE_NAME as CACHE_SERVICE
 from embedmesh.services.encoder_cache.service import EncoderCacheServicer
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
@@ -22,7 +23,13 @@ from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.service import InferenceDomain, Limits, ServedModels
 from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.services.preprocessor.workers import WorkerPool
-from embedmesh.services.router.route_client import RouteClient
+from embedmesh.services.router.config import RouterConfig
+from embedmesh.services.router.local import LocalRouteClient
+from embedmesh.services.router.main import build as build_router
+from embedmesh.services.router.main import sweep_forever
+from embedmesh.services.router.route_client import RouteClient, Routes
+from embedmesh.services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
+from embedmesh.services.router.servicer import RouterServicer
 
 log = get_logger("embedmesh.preprocessor")
 
@@ -55,7 +62,13 @@ async def serve(config: PreprocessorConfig) -> None:
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand)
-    router = RouteClient(config.routers, config.block_size) if config.routers else None
+    router: Routes | None = None
+    embedded: RouterServicer | None = None
+    if config.embedded_router:
+        embedded = build_router(RouterConfig.from_args([]))  # EMBEDMESH_ROUTER_* from the environment
+        router = LocalRouteClient(embedded.router, config.block_size)
+    elif config.routers:
+        router = RouteClient(config.routers, config.block_size)
     cache = TieredCache(CacheConfig(capacity_bytes=config.cache_capacity_bytes, redis_url=config.redis_url,
                                     default_ttl_seconds=config.upload_ttl_seconds))
     server = Server("preprocessor", ServerOptions(host=config.host, port=config.port,
@@ -77,6 +90,9 @@ async def serve(config: PreprocessorConfig) -> None:
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server,
                EncoderCacheServicer(cache, config.max_embeds_bytes), CACHE_SERVICE,
                access=Access.PUBLIC, methods={"Stats": Access.ADMIN})
+    if embedded is not None:
+        # Workers stream registrations, loads and KV events here (mesh callers only, as on the router service).
+        server.add(router_pb2_grpc.add_RouterServiceServicer_to_server, embedded, ROUTER_SERVICE)
     server.on_drain(cache.close)
     if router is not None:
         server.on_drain(router.close)
@@ -87,8 +103,12 @@ async def serve(config: PreprocessorConfig) -> None:
           flush=True)
     pool.start()
     follower = asyncio.create_task(_follow_health(server, pool))
+    sweeper = asyncio.create_task(sweep_forever(embedded.registry, RouterConfig().sweep_seconds)) \
+        if embedded is not None else None
     await server.wait_for_termination()
     follower.cancel()
+    if sweeper is not None:
+        sweeper.cancel()
 
 
 def public_message_cap(config: PreprocessorConfig) -> int:

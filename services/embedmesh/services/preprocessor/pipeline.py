@@ -37,7 +37,7 @@ from embedmesh.services.preprocessor.metrics import (
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
-from embedmesh.services.router.route_client import RouteClient
+from embedmesh.services.router.route_client import Routes
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["Job", "Delta", "run_job"]
@@ -95,7 +95,7 @@ def _segments(prompt: Prompt, dtype: int) -> list[bytes | memoryview]:
     return [part for piece in prompt.pieces for part in wire.segment_parts(piece, dtype)]
 
 
-async def run_job(job: Job, pool: WorkerPool, router: RouteClient | None = None) -> AsyncIterator[Delta | Usage]:
+async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> AsyncIterator[Delta | Usage]:
     """Yield deltas as workers produce them, then one Usage."""
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
@@ -179,7 +179,7 @@ def _coalesce(items: list[tuple[int, worker_pb2.GenerateResponse] | BaseExceptio
     return out
 
 
-def _picker(pool: WorkerPool, router: RouteClient | None, model: str, hashes: list[int], prompt_len: int,
+def _picker(pool: WorkerPool, router: Routes | None, model: str, hashes: list[int], prompt_len: int,
             request_id: str, adapter: str = "") -> Callable[[], Awaitable[WorkerHandle]]:
     """The worker for one sequence: the KV router's choice, else round robin (router absent or unreachable)."""
 

@@ -49,7 +49,7 @@ from embedmesh.services.preprocessor.tools import (
     tool_response_text,
 )
 from embedmesh.services.preprocessor.workers import WorkerPool
-from embedmesh.services.router.route_client import RouteClient
+from embedmesh.services.router.route_client import Routes
 from embedmesh.services.worker.validate import check_sampling_for_model
 from embedmesh.worker.v1 import worker_pb2
 
@@ -208,7 +208,7 @@ class InferenceDomain:
     """Completions, chat and embeddings over the worker pool (see the module docstring for the order of rules)."""
 
     def __init__(self, pool: WorkerPool, cache: TieredCache, models: ServedModels, limits: Limits,
-                 router: RouteClient | None = None) -> None:
+                 router: Routes | None = None) -> None:
         self.pool = pool
         self.cache = cache
         self.models = models

@@ -13,6 +13,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -22,7 +23,7 @@ from embedmesh.core.server import insecure_channel
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.services.router.metrics import FALLBACKS
 
-__all__ = ["RouteClient", "RouteDecision", "CandidateCost", "FALLBACKS"]
+__all__ = ["Routes", "RouteClient", "RouteDecision", "CandidateCost", "FALLBACKS"]
 
 log = get_logger(__name__)
 
@@ -53,6 +54,18 @@ class RouteDecision:
     """Every candidate, cheapest first."""
     adapter_missing: bool = False
     """The request named an adapter no worker holds; the worker was picked by load (load it there first)."""
+
+
+class Routes(Protocol):
+    """What the pipeline asks for a worker: the router service over gRPC (``RouteClient``) or the router in the
+    preprocessor's own process (``router/local.py:LocalRouteClient``)."""
+
+    block_size: int
+
+    async def route(self, model: str, hashes: Sequence[int], prompt_tokens: int, request_id: str = "",
+                    adapter: str = "") -> RouteDecision | None: ...
+
+    async def close(self) -> None: ...
 
 
 class RouteClient:

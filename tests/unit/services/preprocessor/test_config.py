@@ -59,6 +59,7 @@ def test_the_preprocessors_own_variable_beats_the_shared_one_and_a_flag_beats_bo
     (["--max-inflight", "0"], "max_inflight must be >= 1"),
     (["--drain-seconds", "-1"], "drain_seconds must be >= 0"),
     (["--model-tokenizers", "m"], "--model-tokenizers: 'm' is not name=folder"),
+    (["--embedded-router", "--routers", "r:1"], "--embedded-router and --routers are exclusive"),
 ])
 def test_bad_values_are_usage_errors_naming_the_setting(argv: list[str], needle: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
