@@ -256,7 +256,7 @@ async def rounds(variants: dict[str, Callable[[], Awaitable[tuple[list[float], f
 # --------------------------------------------------------------------------------------------------------------
 
 async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, n1: int, n32: int,
-                         n_rounds: int) -> dict[str, Any]:
+                         n_rounds: int, mesh_emb: Any = None) -> dict[str, Any]:
     import grpc
     import httpx
 
@@ -285,12 +285,23 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         id="cmpl-00000000000000000000000000000000", model=MODEL,
         choices=[inference_pb2.Choice(index=0, text="x")]).SerializeToString()
     out: dict[str, Any] = {}
+    emb = mesh_emb or mesh
     async with httpx.AsyncClient(base_url=mesh.base_url, limits=limits, timeout=60) as http, \
             httpx.AsyncClient(base_url=f"http://{bare_http.address}", limits=limits, timeout=60) as bare_h, \
+            httpx.AsyncClient(base_url=emb.base_url, limits=limits, timeout=60) as http_emb, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
+            grpc.aio.insecure_channel(emb.preprocessor, options=channel_options()) as ch_emb, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options()) as bare_ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        stub_emb = inference_pb2_grpc.InferenceServiceStub(ch_emb)
         hop = bare_ch.unary_unary(BARE_SERVICE + "Unary")
+
+        async def mesh_grpc_emb() -> None:
+            await stub_emb.Complete(greq)
+
+        async def mesh_rest_emb() -> None:
+            r = await http_emb.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
 
         async def bare_grpc_call() -> None:
             await hop(small)
@@ -308,10 +319,14 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
 
         paths = {"engine": ("engine in-process (reference)", in_process),
                  "bare_grpc": ("L1 bare grpc.aio unary hop", bare_grpc_call),
-                 "mesh_grpc": ("mesh gRPC: preproc -> worker", mesh_grpc),
+                 "mesh_grpc": ("mesh gRPC: preproc->router->worker", mesh_grpc),
                  "bare_rest": ("L2 bare uvicorn+Starlette POST", bare_rest),
-                 "mesh_rest": ("mesh REST: gateway->preproc->worker", mesh_rest)}
+                 "mesh_rest": ("mesh REST: gw->preproc->router->worker", mesh_rest)}
         limit_of = {"mesh_grpc": "bare_grpc", "mesh_rest": "bare_rest"}
+        if mesh_emb is not None:  # the same mesh with the router inside the preprocessor (no routing hop)
+            paths["mesh_grpc_emb"] = ("  gRPC, router in the preprocessor", mesh_grpc_emb)
+            paths["mesh_rest_emb"] = ("  REST, router in the preprocessor", mesh_rest_emb)
+            limit_of.update(mesh_grpc_emb="bare_grpc", mesh_rest_emb="bare_rest")
         for c, n in ((1, n1), (32, n32)):
             variants = {k: (lambda fn=fn, c=c, n=n: drive(fn, c, n)) for k, (_, fn) in paths.items()}
             pooled = await rounds(variants, n_rounds)
@@ -350,6 +365,15 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         "rest_p99_over_p50_c32": goal_line("rest_p99_over_p50_c32", c32["mesh_rest"]["p99_over_p50"], "",
                                            f"(1 client: {c1['mesh_rest']['p99_over_p50']:.2f})"),
     }
+    if mesh_emb is not None:
+        e_g = (c1["mesh_grpc_emb"]["p50_ms"] - eng) / c1["bare_grpc"]["p50_ms"]
+        e_r = (c1["mesh_rest_emb"]["p50_ms"] - eng) / c1["bare_rest"]["p50_ms"]
+        out["embedded_router"] = {"grpc_added_p50_bare_hops": e_g, "rest_added_p50_bare_hops": e_r,
+                                  "grpc_rps_pct_of_bare_c32": c32["mesh_grpc_emb"]["rps_pct_of_limit"],
+                                  "rest_rps_pct_of_bare_c32": c32["mesh_rest_emb"]["rps_pct_of_limit"]}
+        print(f" with --embedded-router: gRPC added p50 {e_g:.2f} L1 hops, REST {e_r:.2f} L2 hops; 32 clients "
+              f"gRPC {c32['mesh_grpc_emb']['rps_pct_of_limit']:.0f} % of L1, REST "
+              f"{c32['mesh_rest_emb']['rps_pct_of_limit']:.0f} % of L2 (not counted in the goals)")
     return {"figures": out, "goals": goals}
 
 
@@ -651,9 +675,13 @@ def main() -> int:
         bare_grpc.wait_ready()
         bare_http.wait_ready()
         if "overhead" in parts:
-            result["overhead"] = asyncio.run(bench_overhead(
-                mesh, bare_grpc, bare_http, n1=300 if quick else 1500, n32=800 if quick else 4000,
-                n_rounds=2 if quick else 5))
+            mesh_emb = start_mesh(engine="echo", env=env, extra_args=["--embedded-router"])
+            try:
+                result["overhead"] = asyncio.run(bench_overhead(
+                    mesh, bare_grpc, bare_http, n1=300 if quick else 1500, n32=800 if quick else 4000,
+                    n_rounds=2 if quick else 5, mesh_emb=mesh_emb))
+            finally:
+                mesh_emb.stop()
         if "stream" in parts:
             result["stream"] = asyncio.run(bench_stream(mesh, bare_grpc, bare_http, per_client=2 if quick else 4,
                                                         n_rounds=2 if quick else 5))
