@@ -6,6 +6,7 @@ counted in Prometheus (decisions by hit/miss, overlap ratio), and returned whole
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -95,10 +96,11 @@ class KvRouter:
             OVERLAP.labels(model).observe(best.overlap / len(hashes))
             MATCHED_BLOCKS.labels(model, "prompt").inc(len(hashes))
             MATCHED_BLOCKS.labels(model, "cached").inc(best.overlap)
-        log.info("route", extra={
-            "request_id": request_id, "model": model, "adapter": adapter, "worker_id": best.worker_id,
-            "overlap_blocks": best.overlap,
-            "prompt_blocks": len(hashes), "candidates": len(scored),
-            "costs": {s.worker_id: round(s.cost, 3) for s in scored[:LOGGED_CANDIDATES]}})
+        if log.isEnabledFor(logging.DEBUG):  # one line per request: EMBEDMESH_LOG_LEVEL=DEBUG shows them
+            log.debug("route", extra={
+                "request_id": request_id, "model": model, "adapter": adapter, "worker_id": best.worker_id,
+                "overlap_blocks": best.overlap,
+                "prompt_blocks": len(hashes), "candidates": len(scored),
+                "costs": {s.worker_id: round(s.cost, 3) for s in scored[:LOGGED_CANDIDATES]}})
         return Decision(best.worker_id, matching[best.worker_id].address, best.overlap,
                         [(s, matching[s.worker_id].address) for s in scored], adapter_missing)
