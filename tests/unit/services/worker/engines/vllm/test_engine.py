@@ -207,14 +207,10 @@ class _Iter:
     num_preempted_reqs: int
 
 
-def test_metrics_recorder_keeps_gauges_and_totals() -> None:
+def test_the_engine_reads_its_figures_from_the_metrics_recorder() -> None:
     m = MetricsRecorder()
-    m.record(_Sched(2, 1, 0.25, _PC(256, 128)), _Iter(0))
-    m.record(_Sched(1, 0, 0.5, _PC(100, 0), num_skipped_waiting_reqs=2), _Iter(1))
-    m.record(None, None)
+    m.record(_Sched(1, 0, 0.5, _PC(100, 0), num_skipped_waiting_reqs=2), None)
     s = m.latest
-    assert (s.num_running, s.num_waiting, s.kv_usage) == (1, 2, 0.5)
-    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions, s.steps) == (356, 128, 1, 2)
     e, _ = engine()
     e._metrics = m
     assert e.stats().queued_requests == 2 and e.engine_metrics() is s

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 
 import embedmesh.services.worker.engines as engines_pkg
-from embedmesh.services.worker import main as worker_main
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines import registry
 from embedmesh.services.worker.engines.echo import EchoOptions
 from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 ENGINES_DIR = Path(engines_pkg.__file__).parent
 
 
@@ -43,12 +42,6 @@ def test_every_engine_lives_in_its_own_folder(name: str) -> None:
 def test_no_engine_module_is_left_outside_a_folder() -> None:
     shared = {"__init__.py", "base.py", "registry.py", "options.py", "embed_inputs.py"}
     assert {p.name for p in ENGINES_DIR.glob("*.py")} == shared
-
-
-def test_the_worker_bootstrap_names_no_engine() -> None:
-    # Capabilities (KV events, KV usage, engine metrics) come from the engine's hooks, not engine branches.
-    source = Path(worker_main.__file__).read_text()
-    assert not [n for n in ("vllm", "VLLM", "sglang", "SGLang", "HFEngine", "Echo") if n in source]
 
 
 def test_build_engine_builds_the_configured_engine() -> None:
@@ -87,30 +80,6 @@ def test_the_workers_help_names_every_engine_and_its_options() -> None:
         assert f"{name}: {registry.spec(name).summary}" in text
     for flag in ("--max-model-len", "--no-kv-events", "--sglang-task", "--hidden-size", "--threads"):
         assert flag in text
-
-
-def test_vllm_gets_sleep_mode_and_lora_from_the_worker_flags() -> None:
-    from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
-
-    config = WorkerConfig.from_args(["--engine", "vllm", "--enable-sleep-mode", "--enable-lora"])
-    engine = registry.build_engine(config)
-    assert isinstance(engine, VLLMEngine)
-    assert engine.config.enable_sleep_mode and engine.config.enable_lora
-    assert not registry.build_engine(WorkerConfig.from_args(["--engine", "vllm"])).config.enable_sleep_mode
-
-
-def test_vllm_offers_kv_events_only_to_routers_and_its_metrics(tmp_path: Path) -> None:
-    plain = registry.build_engine(WorkerConfig.from_args(["--engine", "vllm"]))
-    assert plain.kv_event_source() is None and plain.kv_usage() == 0.0
-    log = tmp_path / "ev.jsonl"
-    routed = registry.build_engine(WorkerConfig.from_args(["--engine", "vllm", "--routers", "r:1",
-                                                           "--kv-events-log", str(log)]))
-    assert routed.kv_event_source() is routed
-    names = {m.name for m in routed.metrics_collector("w").collect()}
-    assert {"embedmesh_vllm_num_running", "embedmesh_vllm_kv_usage", "embedmesh_vllm_preemptions"} <= names
-    assert log.exists()  # the --kv-events-log listener is attached by the engine's factory
-    assert registry.build_engine(WorkerConfig.from_args(
-        ["--engine", "vllm", "--routers", "r:1", "--no-kv-events"])).kv_event_source() is None
 
 
 def test_engines_without_the_optional_capabilities_decline_them() -> None:
