@@ -1,15 +1,24 @@
 """The servicer's proto <-> domain conversion (servicer.py): prompt_embeds named as clients number them, the
 bytes core.wire cut out of the request taken as they are, chat parts and tools carried unchecked to the domain,
-and results written back field for field."""
+and results written back field for field; admission (``--max-inflight``) refuses at once past its bound."""
 
 from __future__ import annotations
 
+import pytest
+
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
+from embedmesh.core.errors import Unavailable
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.preprocessor.pipeline import Usage
 from embedmesh.services.preprocessor.service import Choice, Completion, Stream
-from embedmesh.services.preprocessor.servicer import _chat_request, _completion_request, _response, _stream_message
+from embedmesh.services.preprocessor.servicer import (
+    Admission,
+    _chat_request,
+    _completion_request,
+    _response,
+    _stream_message,
+)
 from embedmesh.tensor.v1 import tensor_pb2
 
 
@@ -69,3 +78,14 @@ def test_results_are_written_back_field_for_field() -> None:
         id="id", model="m", index=2, text="x", token_ids=[5]).SerializeToString()
     usage = _stream_message(inference_pb2.StreamChatResponse, stream, Usage(1, 2))
     assert usage.usage.total_tokens == 3 and usage.id == "id"
+
+
+def test_the_in_flight_bound_refuses_at_once_with_a_retry_delay() -> None:
+    admission = Admission(2)
+    with admission.slot("Complete"), admission.slot("Complete"):
+        with pytest.raises(Unavailable) as e, admission.slot("Complete"):
+            pass
+        assert e.value.reason == "OVERLOADED" and e.value.retry_after_seconds == 1.0
+    assert admission.inflight == 0
+    with admission.slot("Complete"):
+        assert admission.inflight == 1
