@@ -13,7 +13,7 @@ import pytest
 
 from embedmesh.core import tensors
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from embedmesh.services.worker.engines.base import EngineStats
+from embedmesh.services.worker.engines.base import EngineStats, FinishReason, GenerationDelta, TokenLogprob
 from embedmesh.services.worker.engines.echo.engine import EchoEngine
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2
@@ -192,3 +192,17 @@ def test_sleep_levels_are_one_or_two(level: int) -> None:
 def test_the_default_lora_root_is_under_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("EMBEDMESH_CACHE", str(tmp_path))
     assert WorkerServicer(EchoEngine(), "w").lora_root == tmp_path / "lora-adapters"
+
+
+class _Scored(_Engine):
+    async def generate(self, request: Any) -> Any:  # type: ignore[override]
+        yield GenerationDelta("x", (87,), 1, FinishReason.LENGTH, logprobs=(TokenLogprob(87, -0.5, ((3, -1.0),)),))
+
+
+def test_token_texts_are_filled_in_only_when_log_probabilities_are_asked() -> None:
+    (plain,) = _generate(WorkerServicer(_Scored(), "w"))
+    assert plain.logprobs[0].token == "" and plain.logprobs[0].top[0].token == ""
+    (scored,) = _generate(WorkerServicer(_Scored(), "w"), logprobs=1)
+    assert (scored.logprobs[0].token, scored.logprobs[0].top[0].token) == ("<87>", "<3>")
+    (prompt,) = _generate(WorkerServicer(_Scored(), "w"), prompt_logprobs=0)
+    assert prompt.logprobs[0].token == "<87>"
