@@ -16,7 +16,7 @@ Two tasks, one per worker:
   prompts as ``input_ids``, prompts with embeddings as ``input_embeds`` for the whole prompt (token segments are
   looked up in the model's input embedding table, so mixed prompts work) — streamed with
   ``incremental_streaming_output=True`` and converted to ``GenerationDelta``. Tested at that boundary only (the
-  request objects built and a scripted tokenizer manager), see tests/unit/services/worker/test_sglang_engine.py.
+  request objects built and a scripted tokenizer manager), see tests/unit/services/worker/engines/sglang/test_engine.py.
 - LoRA (``generate``, with ``--enable-lora``): SGLang is started with ``enable_lora`` (and a maximum rank, the
   adapters per batch, every supported target module), adapters load and unload at run time through its tokenizer
   manager (``LoadLoRAAdapterReqInput`` / ``UnloadLoRAAdapterReqInput``; SGLang's unload waits for the requests
