@@ -60,19 +60,27 @@ TokenText = Callable[[int], str]
 """A token id's text, as the engine's tokenizer decodes that one token alone."""
 
 
+def _token_fields(text: str) -> tuple[str, bytes]:
+    """A token's text for the proto string field and its bytes: a lone surrogate (a tokenizer that maps bytes to
+    surrogates) keeps its bytes and shows as U+FFFD in the text, which protobuf would otherwise refuse."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if text.isascii():
+        return text, raw
+    return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text), raw
+
+
 def logprob_to_proto(lp: TokenLogprob, token_text: TokenText | None) -> common_pb2.TokenLogprob:
     """Domain log-probability -> proto, each token's text and UTF-8 bytes filled in by ``token_text``."""
     def text(t: int) -> str:
         return token_text(t) if token_text is not None else ""
 
-    tok = text(lp.token_id)
-    out = common_pb2.TokenLogprob(token_id=lp.token_id, token=tok, bytes=tok.encode("utf-8", "surrogatepass"))
+    tok, raw = _token_fields(text(lp.token_id))
+    out = common_pb2.TokenLogprob(token_id=lp.token_id, token=tok, bytes=raw)
     if lp.logprob is not None:
         out.logprob = lp.logprob
     for t, value in lp.top:
-        alt = text(t)
-        out.top.append(common_pb2.TopLogprob(token_id=t, token=alt, logprob=value,
-                                             bytes=alt.encode("utf-8", "surrogatepass")))
+        alt, alt_raw = _token_fields(text(t))
+        out.top.append(common_pb2.TopLogprob(token_id=t, token=alt, logprob=value, bytes=alt_raw))
     return out
 
 

@@ -146,3 +146,13 @@ def test_a_logprob_without_a_value_or_tokenizer() -> None:
     out = logprob_to_proto(TokenLogprob(3, None, ((4, -1.0),)), None)
     assert (out.token_id, out.token, out.bytes, out.HasField("logprob")) == (3, "", b"", False)
     assert [(t.token_id, t.token, t.logprob, t.bytes) for t in out.top] == [(4, "", -1.0, b"")]
+
+
+def test_a_token_text_with_a_lone_surrogate_keeps_its_bytes_and_shows_a_replacement() -> None:
+    from embedmesh.services.worker.engines.base import TokenLogprob
+    from embedmesh.services.worker.messages import logprob_to_proto
+
+    texts = {5: "a\udcff?", 6: "é"}
+    out = logprob_to_proto(TokenLogprob(5, -0.1, ((6, -2.0),)), texts.__getitem__)
+    assert out.token == "a\ufffd?" and out.bytes == "a\udcff?".encode("utf-8", "surrogatepass")
+    assert out.top[0].token == "é" and out.top[0].bytes == "é".encode()
