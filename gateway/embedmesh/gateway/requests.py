@@ -65,6 +65,7 @@ __all__ = [
     "EmbeddingsRequest",
     "LoadLoraRequest",
     "UnloadLoraRequest",
+    "PromptEmbedsUpload",
     "decode_base64",
     "known_fields",
     "IGNORED_FIELDS",
@@ -1042,6 +1043,24 @@ class UnloadLoraRequest(Model, kw_only=True, forbid_unknown_fields=True):
     unknown = "is not a parameter of this route"
     lora_name: _NonEmpty
     lora_int_id: Any = None
+
+
+# --- /v1/prompt_embeds --------------------------------------------------------------------------------------------
+def _check_upload_data(obj: Any) -> None:
+    """-> the decoded bytes of the tensor file."""
+    obj.data = _base64(obj.data, "data")
+
+
+class PromptEmbedsUpload(Model, kw_only=True):
+    """``POST /v1/prompt_embeds``: ``data`` base64 of torch.save(tensor) or of a safetensors file (after ``parse``:
+    its bytes), ``ttl_seconds`` an integer >= 1 or absent (the server's maximum is the preprocessor's rule). Other
+    fields are ignored."""
+
+    data: Any = None
+    ttl_seconds: Annotated[int, Meta(ge=1), Say("must be an integer >= 1")] | None = None
+
+    checks = {"data": _check_upload_data}
+    always = frozenset({"data"})
 
 
 def known_fields(model: type[Model]) -> frozenset[str]:

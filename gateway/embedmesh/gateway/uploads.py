@@ -32,8 +32,8 @@ from starlette.routing import Route
 from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.gateway.context import Gateway
-from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
-from embedmesh.gateway.translate import decode_base64
+from embedmesh.gateway.errors import ApiError, from_grpc
+from embedmesh.gateway.requests import PromptEmbedsUpload, parse
 from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["routes"]
@@ -47,11 +47,8 @@ def routes(gateway: Gateway) -> list[Route]:
         return cache_pb2_grpc.EncoderCacheServiceStub(gateway.channel)
 
     async def create(request: Request) -> Response:
-        body = await gateway.read_json(request)
-        data = decode_base64(body.get("data"), "data")
-        ttl = body.get("ttl_seconds")
-        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1):
-            raise bad_request("ttl_seconds", "must be an integer >= 1", "invalid_value")
+        body = parse(PromptEmbedsUpload, await gateway.read_json(request))
+        data, ttl = body.data, body.ttl_seconds
         header = cache_pb2.PutHeader(encoding=tensor_pb2.TENSOR_ENCODING_TORCH_SAVE)
         if ttl is not None:
             # The preprocessor refuses anything above its configured maximum (naming ttl_seconds); beyond the wire

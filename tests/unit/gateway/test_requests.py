@@ -26,6 +26,7 @@ from embedmesh.gateway.requests import (
     CompletionRequest,
     EmbeddingsRequest,
     LoadLoraRequest,
+    PromptEmbedsUpload,
     UnloadLoraRequest,
     _walk,
     parse,
@@ -118,6 +119,22 @@ REFUSED = [
     (LoadLoraRequest, {"lora_name": "a", "lora_path": "/p", "rank": 8}, "rank: is not a parameter of this route",
      "rank", "unknown_parameter"),
     (UnloadLoraRequest, {}, "lora_name: is required (a non-empty string)", "lora_name", "missing"),
+    (PromptEmbedsUpload, {}, "data: must be a base64 string, got NoneType", "data", "invalid_type"),
+    (PromptEmbedsUpload, {"data": 5}, "data: must be a base64 string, got int", "data", "invalid_type"),
+    (PromptEmbedsUpload, {"data": "QUJ"}, "data: is not valid base64 (standard alphabet, with padding)", "data",
+     "invalid_base64"),
+    (PromptEmbedsUpload, {"ttl_seconds": 0, "data": "%%"}, "data: is not valid base64 (standard alphabet, with "
+     "padding)", "data", "invalid_base64"),
+    (PromptEmbedsUpload, {"data": B64, "ttl_seconds": 0}, "ttl_seconds: must be an integer >= 1", "ttl_seconds",
+     "invalid_value"),
+    (PromptEmbedsUpload, {"data": B64, "ttl_seconds": True}, "ttl_seconds: must be an integer >= 1", "ttl_seconds",
+     "invalid_value"),
+    (PromptEmbedsUpload, {"data": B64, "ttl_seconds": 1.0}, "ttl_seconds: must be an integer >= 1", "ttl_seconds",
+     "invalid_value"),
+    (PromptEmbedsUpload, {"data": B64, "ttl_seconds": "60"}, "ttl_seconds: must be an integer >= 1", "ttl_seconds",
+     "invalid_value"),
+    (PromptEmbedsUpload, {"data": B64, "ttl_seconds": -(2**63)}, "ttl_seconds: must be an integer >= 1",
+     "ttl_seconds", "invalid_value"),
     (vector_stores.Search, {"query": 5}, "query: must be a string or a list of strings", "query", "invalid_type"),
     (vector_stores.Search, {}, "query: must be a string or a list of strings", "query", "invalid_type"),
     (vector_stores.Search, {"query": "q", "max_num_results": 2**32}, f"max_num_results: must be an integer in [1, "
@@ -186,6 +203,9 @@ def test_each_model_accepts_a_full_body() -> None:
                                                          "chunking_strategy": {"type": "auto"}}]})
     assert batch.files[0].attributes["x"].bool_value and batch.files[0].chunking_strategy.proto().HasField(
         "auto_chunking")
+    upload = parse(PromptEmbedsUpload, {"data": B64, "ttl_seconds": 2**64 - 1, "unknown": "ignored"})
+    assert (upload.data, upload.ttl_seconds) == (b"\x00\x01\x02", 2**64 - 1)
+    assert parse(PromptEmbedsUpload, {"data": B64, "ttl_seconds": None}).ttl_seconds is None
     modify = parse(vector_stores.ModifyStore, {"expires_after": None})
     assert modify.expires_after is None and modify.metadata is msgspec.UNSET
 
@@ -239,9 +259,10 @@ _FIELDS = {
     EmbeddingsRequest: ["input", "encoding_format", "dimensions", "model"],
     vector_stores.Search: ["query", "filters", "max_num_results", "ranking_options", "rewrite_query"],
     vector_stores.CreateBatch: ["file_ids", "attributes", "chunking_strategy", "files"],
+    PromptEmbedsUpload: ["data", "ttl_seconds", "colour"],
 }
 _BASES = {CompletionRequest: COMPLETION, ChatRequest: CHAT, EmbeddingsRequest: {"model": "e", "input": "x"},
-          vector_stores.Search: {"query": "q"}, vector_stores.CreateBatch: {}}
+          vector_stores.Search: {"query": "q"}, vector_stores.CreateBatch: {}, PromptEmbedsUpload: {"data": B64}}
 
 
 @fuzz_settings(300)
