@@ -220,3 +220,68 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+# --- one route module on a bare app, with a scripted stub (the mirrored tests of the route modules) ----------------
+class FakeStub:
+    """A gRPC stub double: ``answers[method]`` is the response message, an exception to raise, a function of the
+    request, or a list (a server stream). Records ``(method, request, timeout)``; a streamed request is recorded as
+    the list of its messages."""
+
+    def __init__(self, **answers: Any) -> None:
+        self.answers = answers
+        self.calls: list[tuple[str, Any, float | None]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in self.answers:
+            raise AttributeError(name)
+        answer = self.answers[name]
+        if isinstance(answer, list):
+            async def stream(request: Any, timeout: float | None = None) -> Any:
+                self.calls.append((name, request, timeout))
+                for m in answer:
+                    yield m
+            return stream
+
+        async def unary(request: Any, timeout: float | None = None) -> Any:
+            if hasattr(request, "__aiter__"):
+                request = [m async for m in request]
+            self.calls.append((name, request, timeout))
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer(request) if callable(answer) else answer
+        return unary
+
+    def last(self, method: str) -> Any:
+        return [r for m, r, _ in self.calls if m == method][-1]
+
+
+def rpc_error(err: EmbedmeshError) -> grpc.aio.AioRpcError:
+    """The AioRpcError a client sees when a mesh service raises ``err`` (status details included)."""
+    from embedmesh.core.errors import to_status
+
+    status = to_status(err)
+    return grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+                                details=status.details)
+
+
+def route_client(routes: list[Any]) -> Any:
+    """A TestClient of a bare app holding ``routes``; ApiError answered as OpenAI error JSON, as ``create_app``
+    does."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from embedmesh.gateway.errors import ApiError, error_response
+
+    async def on_error(request: Any, e: Exception) -> Any:
+        assert isinstance(e, ApiError)
+        return error_response(e)
+
+    return TestClient(Starlette(routes=routes, exception_handlers={ApiError: on_error}))
+
+
+def bare_gateway(**config: Any) -> Any:
+    """A ``Gateway`` whose channel is never opened (tests set ``stub``)."""
+    from embedmesh.gateway.context import Gateway
+
+    return Gateway(GatewayConfig(**{"preprocessor": "127.0.0.1:1", **config}))
