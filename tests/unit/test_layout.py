@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 TREES = (ROOT / "services" / "embedmesh", ROOT / "gateway" / "embedmesh")
 TESTS = ROOT / "tests" / "unit"
@@ -66,9 +64,6 @@ def test_every_service_module_with_logic_has_its_test_at_the_mirrored_path() -> 
     _check(TREES[0])
 
 
-@pytest.mark.xfail(strict=True, reason="the gateway's mirrored tests are being added (context, embeddings, "
-                   "embeds_json, files, lora, translate, uploads, vector_stores); remove this marker once they exist: "
-                   "strict, so this XPASS fails until it is")
 def test_every_gateway_module_with_logic_has_its_test_at_the_mirrored_path() -> None:
     _check(TREES[1])
 
