@@ -57,13 +57,13 @@ def test_a_body_declared_over_the_limit_is_a_413_before_it_is_read() -> None:
 
 
 def test_a_body_without_a_length_is_capped_while_it_is_read() -> None:
-    def chunks() -> Iterator[bytes]:
-        yield b'{"a": "'
-        for _ in range(8):
-            yield b"x" * 1024
-        yield b'"}'
+    def chunks(size: int) -> Iterator[bytes]:
+        body = b'{"a": "' + b"x" * (size - 9) + b'"}'
+        for i in range(0, size, 1000):
+            yield body[i:i + 1000]
 
-    r = client().post("/echo", content=chunks())
+    assert client().post("/echo", content=chunks(LIMIT)).json()["body"] == {"a": "x" * (LIMIT - 9)}
+    r = client().post("/echo", content=chunks(LIMIT + 1))
     assert "content-length" not in r.request.headers
     assert error(r) == (413, f"the request body is over the {LIMIT} byte limit", "body_too_large")
 
