@@ -159,3 +159,11 @@ def test_adapter_hashes_are_a_separate_chain_per_adapter() -> None:
     # A shared prefix under one adapter is still a shared prefix.
     longer = adapter_block_hashes(block_hashes([tuple(range(80))], 16), "lora-a")
     assert longer[:4] == a
+
+
+def test_rows_hash_to_the_values_routers_and_workers_already_hold() -> None:
+    """Pinned values (from the incremental implementation, before whole blocks were hashed in one call): a change
+    of the hash function would split the router's key space between old and new workers and preprocessors."""
+    rows = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    assert block_hashes([rows], 16) == [6069097254257782435, 1352328450927016269]  # whole blocks
+    assert block_hashes([(1, 2, 3), rows], 16) == [7716961351518373698, 8297259761770954064]  # straddling
