@@ -10,10 +10,12 @@ Rules checked here, before any worker is called (each a 400 naming the field as 
   vectors (``supports_dimensions``).
 
 Caching: one entry per (model, dimensions, input), where ``dimensions`` equal to the model's size counts as unset.
-The value is the float32 vector with the input's token count appended as its last element (usage counts cached
-inputs too, as OpenAI's does). Identical inputs inside one request are computed once, and concurrent requests for
-the same missing input share one computation (single flight); a request that waited on another one's failed
-computation computes its inputs itself, so an error always names the caller's own input.
+The value is one ``CachedTensor`` per input written by ``pack_entry`` and read by ``unpack_entries`` (the float32
+vector and the input's token count, which usage counts for cached inputs too, as OpenAI's does; the count rides as
+one more float32, exact below 2**24 tokens, so the entry stays one tensor in the L1 and the Redis L2 alike).
+Identical inputs inside one request are computed once, and concurrent requests for the same missing input share one
+computation (single flight); a request that waited on another one's failed computation computes its inputs itself,
+so an error always names the caller's own input.
 """
 
 from __future__ import annotations
@@ -146,10 +148,27 @@ async def embed_inputs(pool: WorkerPool, cache: TieredCache, model: str, inputs:
             retry.append(first[k])
     if retry:
         await _compute(pool, cache, {}, model, inputs, keys, retry, dimensions, len(inputs), timeout, values)
-    rows = [values[k].array for k in keys]
-    vectors = np.stack([r[:-1] for r in rows]).astype(np.float32, copy=False)
-    tokens = int(sum(int(r[-1]) for r in rows))
-    return vectors, tokens
+    return unpack_entries([values[k] for k in keys])
+
+
+MAX_CACHED_TOKENS = 1 << 24
+"""Token counts a cache entry holds exactly (float32 integers)."""
+
+
+def pack_entry(vector: np.ndarray, tokens: int) -> CachedTensor:
+    """One input's cache entry: its vector and its token count."""
+    if not 0 <= tokens < MAX_CACHED_TOKENS:
+        raise ValueError(f"a cached embedding holds token counts below {MAX_CACHED_TOKENS}, got {tokens}")
+    entry = np.empty(vector.shape[-1] + 1, np.float32)
+    entry[:-1] = vector
+    entry[-1] = tokens
+    return CachedTensor(entry, tensor_pb2.DATA_TYPE_FP32)
+
+
+def unpack_entries(entries: Sequence[CachedTensor]) -> tuple[np.ndarray, int]:
+    """Vectors (len(entries), dim) and the token count summed over the entries (``pack_entry``'s inverse)."""
+    vectors = np.stack([e.array[:-1] for e in entries]).astype(np.float32, copy=False)
+    return vectors, int(sum(int(e.array[-1]) for e in entries))
 
 
 async def _compute(pool: WorkerPool, cache: TieredCache, inflight: _Inflight, model: str, inputs: Sequence[Input],
@@ -175,12 +194,8 @@ async def _compute(pool: WorkerPool, cache: TieredCache, inflight: _Inflight, mo
         for chunk, result in zip(chunks, results, strict=True):
             assert not isinstance(result, BaseException)
             vectors, counts = result
-            # Each entry is the vector with the input's token count appended, in an array of its own.
-            packed = np.empty((len(chunk), vectors.shape[1] + 1), np.float32)
-            packed[:, :-1] = vectors
-            packed[:, -1] = counts
             for j, i in enumerate(chunk):
-                value = CachedTensor(packed[j].copy(), tensor_pb2.DATA_TYPE_FP32)
+                value = pack_entry(vectors[j], counts[j])
                 values[keys[i]] = value
                 await cache.put(keys[i], value)
                 futures[keys[i]].set_result(value)

@@ -211,3 +211,20 @@ async def test_bad_input_never_reaches_a_worker(cache: TieredCache) -> None:
     with pytest.raises(InvalidArgument) as info:
         await embed_inputs(pool, cache, "other", ["ok"], None)  # type: ignore[arg-type]
     assert info.value.field == "model" and pool.calls == []
+
+
+def test_a_cache_entry_holds_the_vector_and_its_token_count() -> None:
+    import numpy as np
+
+    from embedmesh.services.preprocessor.embedding_requests import (
+        MAX_CACHED_TOKENS,
+        pack_entry,
+        unpack_entries,
+    )
+
+    a, b = np.array([0.5, -1.0, 2.0], np.float32), np.array([1.0, 0.0, 3.5], np.float32)
+    vectors, tokens = unpack_entries([pack_entry(a, 7), pack_entry(b, MAX_CACHED_TOKENS - 1)])
+    assert vectors.tolist() == [a.tolist(), b.tolist()] and vectors.dtype == np.float32
+    assert tokens == 7 + MAX_CACHED_TOKENS - 1, "counts stay exact up to the bound"
+    with pytest.raises(ValueError, match="token counts below"):
+        pack_entry(a, MAX_CACHED_TOKENS)
