@@ -19,10 +19,9 @@ import numpy as np
 from embedmesh.core import tensors
 from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["ModelSpec", "validate_embeds", "decode_prompt_embeds"]
+__all__ = ["ModelSpec", "validate_embeds"]
 
 
 @dataclass(frozen=True)
@@ -107,24 +106,3 @@ def _cast(arr: np.ndarray, dtype: int, target: int) -> np.ndarray:
             # ulp on about 1 value in 20 000, so do as torch does to stay bit-exact with vLLM's own cast.
             values = values.astype(np.float32)
         return values.astype(tensors.numpy_dtype(target))
-
-
-def decode_prompt_embeds(
-    *,
-    encoded: bytes | None = None,
-    array: np.ndarray | None = None,
-    dtype: int = 0,
-    spec: ModelSpec,
-    field: str,
-    max_tokens: int,
-    max_bytes: int,
-) -> np.ndarray:
-    """Decode (serialized bytes) or take (a raw gRPC tensor) one prompt's embeddings, then validate them."""
-    if encoded is not None:
-        arr, dtype = decode_tensor_bytes(encoded, max_bytes=max_bytes, field=field)
-    elif array is not None:
-        check_cap(field, array.nbytes, max_bytes)
-        arr = array
-    else:
-        raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
-    return validate_embeds(arr, dtype, spec, field=field, max_tokens=max_tokens)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from embedmesh.core.embeds import ModelSpec, decode_prompt_embeds, validate_embeds
+from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
 from embedmesh.core.tensors import bf16_to_f32, f32_to_bf16
 from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812 - T.DATA_TYPE_* reads well in tables
 
@@ -137,7 +138,21 @@ def test_array_not_matching_its_dtype_is_a_caller_bug() -> None:
         validate_embeds(good(dtype="<f8"), T.DATA_TYPE_FP32, FP32, field="f", max_tokens=1)
 
 
-# --- decode_prompt_embeds ----------------------------------------------------------------------------------------
+# --- serialized or raw, then validated (the preprocessor's prompt_embeds line: decode, cap, rules) -----------------
+
+
+def decode_prompt_embeds(*, encoded: bytes | None = None, array: np.ndarray | None = None, dtype: int = 0,
+                         spec: ModelSpec, field: str, max_tokens: int, max_bytes: int) -> np.ndarray:
+    """What services/preprocessor/prompt_embeds.py does with one entry, minus the cache: decode serialized bytes
+    (or cap a raw array), then the shared rows rules."""
+    if encoded is not None:
+        arr, dtype = decode_tensor_bytes(encoded, max_bytes=max_bytes, field=field)
+    elif array is not None:
+        check_cap(field, array.nbytes, max_bytes)
+        arr = array
+    else:
+        raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
+    return validate_embeds(arr, dtype, spec, field=field, max_tokens=max_tokens)
 
 
 def _saved(t: torch.Tensor) -> bytes:

@@ -25,12 +25,13 @@ from hypothesis import strategies as st
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
-from embedmesh.core.embeds import ModelSpec, decode_prompt_embeds
+from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument, NotFound
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.support.fuzz import fuzz_settings
+from tests.unit.core.test_embeds import decode_prompt_embeds
 from tests.unit.gateway.conftest import MODEL, STOP, FakeInference, Harness, delta, usage_event
 
 HIDDEN = 8
