@@ -309,11 +309,12 @@ def page_request(request: Request, *, before: bool = True) -> pb.PageRequest:
     page = pb.PageRequest(after=q.get("after", ""), before=q.get("before", "") if before else "")
     if "limit" in q:
         try:
-            page.limit = int(q["limit"])
+            limit = int(q["limit"])
         except ValueError:
             raise bad_request("limit", f"must be an integer, got {q['limit']!r}", "invalid_type") from None
-        if page.limit < 0:
+        if not 0 <= limit < 2**32:  # 0 = the service's default; above 100 the service refuses it by name
             raise bad_request("limit", "must be in [1, 100]", "invalid_value")
+        page.limit = limit
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order", f"must be 'asc' or 'desc', got {order!r}", "invalid_value")
