@@ -5,14 +5,13 @@ it, unrelated prompts spread, and the router's metrics are the preprocessor's.""
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
-from tests.e2e.test_routing import LONG, served_by
+from tests.e2e.test_routing import LONG, served_by, wait_registered
 from tests.support.load import metric
 from tests.support.mesh import Mesh, start_mesh
 
@@ -27,15 +26,7 @@ def mesh() -> Iterator[Mesh]:
 
 
 def _registered(mesh: Mesh, count: int) -> list[router_pb2.WorkerInfo]:
-    deadline = time.monotonic() + 60
-    with grpc.insecure_channel(mesh.preprocessor) as ch:
-        stub = router_pb2_grpc.RouterServiceStub(ch)
-        while time.monotonic() < deadline:
-            workers = list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)
-            if len(workers) == count:
-                return workers
-            time.sleep(0.2)
-    raise AssertionError(f"expected {count} workers registered on the preprocessor")
+    return wait_registered(mesh, count, router=mesh.preprocessor)
 
 
 def test_no_router_process_and_workers_register_on_the_preprocessor(mesh: Mesh) -> None:

@@ -49,9 +49,10 @@ def served_by(mesh: Mesh, body: dict[str, Any]) -> str:
     return changed[0]
 
 
-def wait_registered(mesh: Mesh, count: int) -> list[router_pb2.WorkerInfo]:
+def wait_registered(mesh: Mesh, count: int, router: str = "") -> list[router_pb2.WorkerInfo]:
+    """The workers registered with the router (``router``: its address, default the mesh's router service)."""
     deadline = time.monotonic() + 60
-    with grpc.insecure_channel(mesh.extra["router"]) as ch:
+    with grpc.insecure_channel(router or str(mesh.extra["router"])) as ch:
         stub = router_pb2_grpc.RouterServiceStub(ch)
         while time.monotonic() < deadline:
             workers = list(stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers)

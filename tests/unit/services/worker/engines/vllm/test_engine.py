@@ -30,6 +30,7 @@ from embedmesh.services.worker.engines.base import (  # noqa: E402
 from embedmesh.services.worker.engines.vllm.engine import VLLMConfig, VLLMEngine  # noqa: E402
 from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, Stored  # noqa: E402
 from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder  # noqa: E402
+from tests.unit.services.worker.engines.vllm.test_metrics import _PC, _Sched  # noqa: E402
 
 HIDDEN = 8
 
@@ -185,26 +186,6 @@ def test_kv_listeners_get_events_and_a_failing_one_does_not_stop_the_others() ->
     assert got == [[Stored(ROOT, (1,))]]
     assert e.kv_snapshot() == [] and e.kv_event_counters() == {}
     assert block_hashes([(1, 2, 3, 4)], 4)  # the mesh's hashing is importable beside the engine
-
-
-@dataclass
-class _PC:
-    queries: int
-    hits: int
-
-
-@dataclass
-class _Sched:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_stats: _PC
-    num_skipped_waiting_reqs: int = 0
-
-
-@dataclass
-class _Iter:
-    num_preempted_reqs: int
 
 
 def test_the_engine_reads_its_figures_from_the_metrics_recorder() -> None:
