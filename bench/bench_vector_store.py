@@ -17,7 +17,8 @@ never the index itself.
 Data: clustered synthetic unit vectors (1,000 Gaussian clusters, noise 0.5) — random uniform vectors make every HNSW
 look bad and are unlike text embeddings. 100 files of N/100 chunks; attribute ``g`` = file index mod 10.
 Sizes: 100k (both backends) and 1M (embedded only: pgvector's HNSW build at 1M takes far too long on 2 cores, so
-pgvector is measured up to ``--pg-max``). The 1M case needs about 6 GB of RAM and 10–20 minutes (graph build);
+pgvector is measured up to ``--pg-max``). The 1M case peaks at about 6 GB of RSS and took 5 minutes on a quiet
+2-core machine with ``--ef-construction 100`` (graph build 3 minutes; the default 200 costs about twice that);
 ``--sizes 100000`` leaves it out, ``--quick`` runs 10k only.
 
     python bench/bench_vector_store.py [--quick] [--sizes 100000,1000000] [--queries 1000] [--ef 128]
