@@ -77,3 +77,31 @@ def test_bad_filter_is_a_400(client: openai.OpenAI, store: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.vector_stores.search(vs.id, query="x", filters={"type": "gt", "key": "year", "value": True})
     assert e.value.body["param"] == "filters.value"  # type: ignore[index]
+
+
+def test_a_long_file_with_auto_chunking_is_cut_to_what_the_embedding_model_takes(client: openai.OpenAI) -> None:
+    """auto = 800/400 tokens (OpenAI's), but all-MiniLM-L6-v2 takes 256 tokens per input: the file is chunked to
+    the model's length instead of failing, and its last paragraph is found."""
+    try:
+        client.vector_stores.list(limit=1)
+    except openai.APIStatusError as e:
+        if e.status_code == 501:
+            pytest.skip("the mesh runs no vector store")
+        raise
+    filler = " ".join(f"Paragraph {i} describes the weather of an ordinary day in a quiet town." for i in range(150))
+    text = filler + " Finally: the lighthouse keeper paints the lamp room bright orange every spring."
+    fid = client.files.create(file=("long.txt", text.encode()), purpose="assistants").id
+    vs = client.vector_stores.create(name="long", file_ids=[fid])  # no chunking_strategy: auto
+    try:
+        deadline = time.monotonic() + 180
+        while (vs := client.vector_stores.retrieve(vs.id)).file_counts.in_progress:
+            assert time.monotonic() < deadline, "ingestion did not finish"
+            time.sleep(0.2)
+        f = client.vector_stores.files.retrieve(file_id=fid, vector_store_id=vs.id)
+        assert f.status == "completed", f.last_error
+        page = client.vector_stores.search(vs.id, query="who paints the lamp room orange?")
+        assert page.data and page.data[0].file_id == fid
+        assert "lighthouse keeper" in page.data[0].content[0].text
+    finally:
+        client.vector_stores.delete(vs.id)
+        client.files.delete(fid)

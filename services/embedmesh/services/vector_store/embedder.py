@@ -31,6 +31,7 @@ class Embedder:
         self.timeout = timeout_seconds
         self._channel: grpc.aio.Channel | None = None
         self._stub: inference_pb2_grpc.InferenceServiceStub | None = None
+        self._max_tokens: int | None = None
 
     def _client(self) -> inference_pb2_grpc.InferenceServiceStub:
         if self._stub is None:
@@ -55,6 +56,17 @@ class Embedder:
             raise DimensionMismatch(f"embedding model {self.model!r} returned {arr.shape[1]}-d vectors but the "
                                     f"vector store is configured for {self.dimensions}")
         return normalise(arr)
+
+    async def max_input_tokens(self) -> int:
+        """The embedding model's longest input in tokens, special tokens included (``ListModels``'
+        ``max_context_tokens``); 0 when the mesh does not say (asked again next time)."""
+        if self._max_tokens is None:
+            try:
+                resp = await self._client().ListModels(inference_pb2.ListModelsRequest(), timeout=self.timeout)
+            except grpc.aio.AioRpcError:
+                return 0
+            self._max_tokens = next((int(m.max_context_tokens) for m in resp.models if m.id == self.model), 0)
+        return self._max_tokens
 
     async def embed(self, texts: list[str]) -> np.ndarray:
         out = [await self.embed_batch(texts[i:i + self.batch_size]) for i in range(0, len(texts), self.batch_size)]

@@ -27,12 +27,29 @@ from embedmesh.services.vector_store.embedder import Embedder
 from embedmesh.services.vector_store.files import decode_text
 from embedmesh.services.vector_store.index.base import VectorIndex
 from embedmesh.services.vector_store.metrics import CHUNKS_INDEXED, FILES_INGESTED, IN_PROGRESS, INGESTION_SECONDS
+from embedmesh.services.vector_store.objects import AUTO_CHUNKING, ChunkingSpec
 from embedmesh.services.vector_store.store import MetadataStore, PendingFile
 
 __all__ = ["Ingestor"]
 
 log = get_logger(__name__)
 
+
+
+SPECIAL_TOKENS = 2
+"""Tokens the embedding model adds to every input ([CLS] and [SEP] for MiniLM); chunks are counted without them."""
+
+
+def fit_auto_chunking(spec: ChunkingSpec, max_input_tokens: int) -> ChunkingSpec:
+    """``auto`` chunking (800/400, OpenAI's) cut to what the embedding model takes in one input: an 800-token chunk
+    would fail the whole file against a 256-token model such as all-MiniLM-L6-v2, so ``auto`` means the model's
+    length (minus its special tokens) with half of it as overlap there. A ``static`` strategy is the client's
+    explicit choice and is kept (a chunk the model refuses fails the file, naming the sizes)."""
+    room = max_input_tokens - SPECIAL_TOKENS
+    if spec != AUTO_CHUNKING or max_input_tokens <= 0 or room >= spec.max_chunk_size_tokens:
+        return spec
+    room = max(room, 1)
+    return ChunkingSpec(max_chunk_size_tokens=room, chunk_overlap_tokens=min(spec.chunk_overlap_tokens, room // 2))
 
 
 class Ingestor:
@@ -118,7 +135,8 @@ class Ingestor:
                     return "cancelled"
                 media_type, content = await db.run(self.store.ingest_source, p.file_id)
                 text = decode_text(content, media_type)
-                chunks = await asyncio.to_thread(chunk_text, text, p.chunking, self.tokenizer)
+                chunking = fit_auto_chunking(p.chunking, await self.embedder.max_input_tokens())
+                chunks = await asyncio.to_thread(chunk_text, text, chunking, self.tokenizer)
                 if not chunks:
                     raise InvalidArgument("the file holds no text to index", field="file", reason="EMPTY_FILE")
                 total = len(chunks)

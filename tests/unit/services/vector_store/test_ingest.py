@@ -98,3 +98,14 @@ async def test_failed_and_cancelled_files_are_counted(svc: Running, fake_embedde
     assert after["cancelled"] - before["cancelled"] == 3
     assert after["completed"] == before["completed"] and after["chunks"] == before["chunks"]
     assert after["in_progress"] == before["in_progress"]
+
+
+def test_auto_chunking_fits_the_embedding_models_input_length() -> None:
+    from embedmesh.services.vector_store.ingest import fit_auto_chunking
+    from embedmesh.services.vector_store.objects import AUTO_CHUNKING, ChunkingSpec
+
+    assert fit_auto_chunking(AUTO_CHUNKING, 256) == ChunkingSpec(254, 127)  # MiniLM: 256 with [CLS] and [SEP]
+    assert fit_auto_chunking(AUTO_CHUNKING, 8192) == AUTO_CHUNKING  # room for 800: OpenAI's auto as it is
+    assert fit_auto_chunking(AUTO_CHUNKING, 0) == AUTO_CHUNKING  # the mesh did not say
+    explicit = ChunkingSpec(300, 100)
+    assert fit_auto_chunking(explicit, 256) == explicit  # a static strategy is the client's choice
