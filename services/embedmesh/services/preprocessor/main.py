@@ -64,8 +64,9 @@ async def serve(config: PreprocessorConfig) -> None:
     pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand)
     router: Routes | None = None
     embedded: RouterServicer | None = None
-    if config.embedded_router:
-        embedded = build_router(RouterConfig.from_args([]))  # EMBEDMESH_ROUTER_* from the environment
+    router_config = RouterConfig.from_args([]) if config.embedded_router else None  # EMBEDMESH_ROUTER_* variables
+    if router_config is not None:
+        embedded = build_router(router_config)
         router = LocalRouteClient(embedded.router, config.block_size)
     elif config.routers:
         router = RouteClient(config.routers, config.block_size)
@@ -103,8 +104,8 @@ async def serve(config: PreprocessorConfig) -> None:
           flush=True)
     pool.start()
     follower = asyncio.create_task(_follow_health(server, pool))
-    sweeper = asyncio.create_task(sweep_forever(embedded.registry, RouterConfig().sweep_seconds)) \
-        if embedded is not None else None
+    sweeper = asyncio.create_task(sweep_forever(embedded.registry, router_config.sweep_seconds)) \
+        if embedded is not None and router_config is not None else None
     await server.wait_for_termination()
     follower.cancel()
     if sweeper is not None:

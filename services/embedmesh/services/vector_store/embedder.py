@@ -59,13 +59,17 @@ class Embedder:
 
     async def max_input_tokens(self) -> int:
         """The embedding model's longest input in tokens, special tokens included (``ListModels``'
-        ``max_context_tokens``); 0 when the mesh does not say (asked again next time)."""
+        ``max_context_tokens``); 0 when the mesh does not say yet — unreachable, or the model not listed because its
+        worker is still starting — and then asked again next time (only a real answer is kept)."""
         if self._max_tokens is None:
             try:
                 resp = await self._client().ListModels(inference_pb2.ListModelsRequest(), timeout=self.timeout)
             except grpc.aio.AioRpcError:
                 return 0
-            self._max_tokens = next((int(m.max_context_tokens) for m in resp.models if m.id == self.model), 0)
+            found = next((int(m.max_context_tokens) for m in resp.models if m.id == self.model), 0)
+            if not found:
+                return 0
+            self._max_tokens = found
         return self._max_tokens
 
     async def embed(self, texts: list[str]) -> np.ndarray:

@@ -77,3 +77,31 @@ def test_normalise_makes_unit_rows_and_refuses_non_finite_values() -> None:
     for bad in (np.nan, np.inf):
         with pytest.raises(InternalError, match="NaN or Inf"):
             normalise(np.array([[1.0, bad]]))
+
+
+async def test_the_models_input_length_is_kept_only_once_the_mesh_lists_it() -> None:
+    """A vector store started before its embedding worker sees no model in ListModels: that 0 is not kept, so the
+    next file's auto chunking gets the real length (the model listed later), which is then asked no more."""
+    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    answers = [[], [inference_pb2.Model(id="all-MiniLM-L6-v2", max_context_tokens=256, task="embed")]]
+    calls = []
+
+    class Servicer(inference_pb2_grpc.InferenceServiceServicer):
+        async def ListModels(self, request, context):  # noqa: N802, ANN001, ANN201
+            calls.append(1)
+            return inference_pb2.ListModelsResponse(models=answers[min(len(calls), len(answers)) - 1])
+
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    e = Embedder(f"127.0.0.1:{port}", "all-MiniLM-L6-v2", 384)
+    try:
+        assert await e.max_input_tokens() == 0  # the worker is not up yet: nothing listed
+        assert await e.max_input_tokens() == 256
+        assert await e.max_input_tokens() == 256
+        assert len(calls) == 2, "a real answer is kept"
+    finally:
+        await e.close()
+        await server.stop(None)
