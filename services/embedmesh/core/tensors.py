@@ -127,6 +127,10 @@ def format_dims(dims: Sequence[int], limit: int = MAX_RANK) -> str:
     return f"[{shown}{f', ... ({len(dims)} dims)' if len(dims) > limit else ''}]"
 
 
+MAX_SHAPE_PRODUCT = 2**62
+"""Largest product of a shape's non-zero dimensions (numpy cannot form a shape past its index range, even empty)."""
+
+
 def check_shape(shape: Sequence[int], field: str) -> int:
     """Refuse a shape with more than MAX_RANK dimensions (BAD_RANK) or a dimension outside ``[0, MAX_DIM]``
     (INVALID_SHAPE); return the exact element count. ``shape`` holds ints (callers check types first)."""
@@ -140,8 +144,16 @@ def check_shape(shape: Sequence[int], field: str) -> int:
                 f"{field}: every dimension must be in [0, 2**31], got shape {format_dims(shape)}",
                 field=field, reason="INVALID_SHAPE")
     count = 1
+    nonzero = 1
     for d in shape:
         count *= d  # at most (2**31)**8: exact, and no 64-bit product is ever formed
+        nonzero *= d or 1
+    if count == 0 and nonzero > MAX_SHAPE_PRODUCT:
+        # An empty tensor whose other dimensions multiply past what numpy can index: numpy refuses even to make
+        # the empty array of that shape, so the shape is refused here, by name.
+        raise InvalidArgument(
+            f"{field}: the non-zero dimensions multiply to more than 2**62, got shape {format_dims(shape)}",
+            field=field, reason="INVALID_SHAPE")
     return count
 
 

@@ -22,8 +22,9 @@ F32 = T.DATA_TYPE_FP32
     ([-1, 4], b"", "t.shape", "INVALID_SHAPE"),
     ([-(2**63)], b"", "t.shape", "INVALID_SHAPE"),
     ([2, 3], b"\0" * 20, "t.data", "DATA_SIZE_MISMATCH"),
+    ([0, 3, 2**31 - 1, 2**31 - 1], b"", "t.shape", "INVALID_SHAPE"),  # empty, but numpy cannot form the shape
 ], ids=["71 dims", "9 dims", "0 and int64 max", "2**32 dims", "product past 2**64", "negative", "int64 min",
-        "short data"])
+        "short data", "empty, rest past 2**62"])
 def test_hostile_protos_are_refused(shape: list[int], data: bytes, field: str, reason: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         tensors.to_numpy(T.Tensor(dtype=F32, shape=shape, data=data), field="t")
