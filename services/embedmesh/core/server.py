@@ -42,8 +42,9 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "metadata_interceptors",
-           "ErrorInterceptor",
+__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
+           "metadata_interceptors",
+           "ErrorInterceptor", "Observed", "unexpected_error",
            "LIVENESS", "Access"]
 
 LIVENESS = "embedmesh.Liveness"
@@ -142,6 +143,19 @@ def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token
     return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes), interceptors=interceptors)
 
 
+def plain_mesh_channel(address: str, max_message_bytes: int = 512 * MiB
+                       ) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
+    """``mesh_channel`` without client interceptors, and the metadata its calls must carry (the mesh token, if
+    any): for long-lived streams, whose writes an intercepted call routes through an extra queue and task. Such
+    calls carry no trace context of their own (put it in the messages)."""
+    sec = tls.current()
+    metadata = ((tls.MESH_TOKEN_HEADER, sec.mesh_token),) if sec.mesh_token else ()
+    creds = sec.channel_credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes)), metadata
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)), metadata
+
+
 insecure_channel = mesh_channel
 """Former name of ``mesh_channel`` (plaintext only when the process has no TLS configured)."""
 
@@ -150,14 +164,16 @@ async def _abort(context: grpc.aio.ServicerContext, err: EmbedmeshError) -> None
     await context.abort_with_status(to_status(err))
 
 
-def _unexpected(exc: BaseException, method: str) -> InternalError:
+def unexpected_error(exc: BaseException, method: str) -> InternalError:
+    """An INTERNAL error naming a fresh incident id; the exception goes to the log under it, never to the caller."""
     incident = uuid.uuid4().hex[:12]
     log.error("unhandled error", exc_info=exc, extra={"method": method, "incident": incident})
     return InternalError(f"internal error (incident {incident}); see the service log")
 
 
-class _Observed:
-    """One RPC's span, status code and latency."""
+class Observed:
+    """One RPC's span, status code and latency (also one generation of a ``GenerateMany`` stream, which is
+    observed as the Generate call it stands for)."""
 
     def __init__(self, method: str, metadata: Any) -> None:
         self.method = method.rsplit("/", 1)[-1]
@@ -170,7 +186,7 @@ class _Observed:
         )
         self._t0 = time.perf_counter()
 
-    def __enter__(self) -> _Observed:
+    def __enter__(self) -> Observed:
         self.span = self._span_cm.__enter__()
         return self
 
@@ -260,7 +276,7 @@ class _Authorizer:
 
 
 def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: _Authorizer | None,
-           streaming_in: bool, obs: _Observed, owed: list[auth.Principal]) -> Any:
+           streaming_in: bool, obs: Observed, owed: list[auth.Principal]) -> Any:
     """Authenticate the call, refuse unparsable request bytes, take the tenant's limiter slot (appended to ``owed``
     for the caller to release) and serve the rest of the call as its principal; returns the request to hand on."""
     principal = authz.principal(metadata, context) if authz else auth.current_principal()
@@ -281,7 +297,7 @@ def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadat
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
                 authz: _Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        with _Observed(method, metadata) as obs:
+        with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             try:
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
@@ -293,7 +309,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, metadata: Any,
                 raise
             except Exception as e:  # noqa: BLE001 - the one place unexpected errors become INTERNAL
                 obs.fail("INTERNAL")
-                await _abort(context, _unexpected(e, method))
+                await _abort(context, unexpected_error(e, method))
             finally:
                 for p in owed:
                     auth.limiter().release(p)
@@ -306,7 +322,7 @@ def _wrap_stream(
     authz: _Authorizer | None = None, streaming_in: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        with _Observed(method, metadata) as obs:
+        with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             try:
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
@@ -319,7 +335,7 @@ def _wrap_stream(
                 raise
             except Exception as e:  # noqa: BLE001
                 obs.fail("INTERNAL")
-                await _abort(context, _unexpected(e, method))
+                await _abort(context, unexpected_error(e, method))
             finally:
                 for p in owed:
                     auth.limiter().release(p)

@@ -90,15 +90,20 @@ def setup_tracing(service: str) -> None:
     _service = service
     if os.environ.get("EMBEDMESH_TRACING", "on").lower() in ("0", "off", "false"):
         return
-    provider = TracerProvider(resource=Resource.create({"service.name": f"embedmesh-{service}"}))
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    console = os.environ.get("EMBEDMESH_TRACE_CONSOLE", "1") not in ("0", "off", "false")
+    path = os.environ.get("EMBEDMESH_TRACE_FILE")
+    if not (endpoint or console or path):
+        # Nobody reads spans: keep OpenTelemetry's no-op tracer, so a span costs nothing. A caller's trace context
+        # still passes through (the no-op span carries its parent's ids to the next hop).
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": f"embedmesh-{service}"}))
     if endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    elif os.environ.get("EMBEDMESH_TRACE_CONSOLE", "1") not in ("0", "off", "false"):
+    elif console:
         provider.add_span_processor(BatchSpanProcessor(_JsonLineExporter(stream=sys.stderr)))
-    path = os.environ.get("EMBEDMESH_TRACE_FILE")
     if path:
         provider.add_span_processor(SimpleSpanProcessor(_JsonLineExporter(path=path)))
     trace.set_tracer_provider(provider)
@@ -108,8 +113,15 @@ def service_name() -> str:
     return _service
 
 
+_tracer: trace.Tracer | None = None
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer("embedmesh")
+    """The process's tracer (looked up once: ``get_tracer`` costs more than a span)."""
+    global _tracer
+    if _tracer is None:
+        _tracer = trace.get_tracer("embedmesh")
+    return _tracer
 
 
 def extract_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context:

@@ -61,7 +61,8 @@ async def serve(config: PreprocessorConfig) -> None:
     folder = _tokenizer_folder(config.tokenizer)
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
-    pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand)
+    pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand,
+                      worker_streams=config.worker_streams)
     router: Routes | None = None
     embedded: RouterServicer | None = None
     router_config = RouterConfig.from_args([]) if config.embedded_router else None  # EMBEDMESH_ROUTER_* variables

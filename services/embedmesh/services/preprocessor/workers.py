@@ -20,6 +20,7 @@ from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
+from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerHandle", "WorkerPool"]
@@ -45,10 +46,19 @@ class WorkerHandle:
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _recheck: asyncio.Task[None] | None = field(default=None, repr=False)
     _generate_raw: Any = field(default=None, repr=False)
+    stream: WorkerStream | None = field(default=None, repr=False)
+    """The GenerateMany stream small requests share (``worker_stream.py``); None = a Generate call each."""
 
     def generate_raw(self, body: bytes) -> Any:
-        """``WorkerService.Generate`` with request bytes already serialized (``core.wire``): the tensor rows are
-        not copied again by protobuf on the way out."""
+        """One generation of request bytes already serialized (``core.wire``), iterated like a Generate call:
+        on the worker's shared GenerateMany stream when ``body`` is small, else as its own Generate call (the
+        tensor rows are not copied again by protobuf on the way out)."""
+        if self.stream is not None and len(body) <= MAX_STREAM_BODY:
+            return self.stream.generate(body)
+        return self.generate_call(body)
+
+    def generate_call(self, body: bytes) -> Any:
+        """``WorkerService.Generate`` of ``body``, as its own call."""
         if self._generate_raw is None:
             self._generate_raw = self.channel.unary_stream(
                 f"/{WORKER_SERVICE}/Generate", request_serializer=None,
@@ -60,9 +70,11 @@ class WorkerPool:
     """Watches each worker's grpc.health.v1 status and keeps its GetInfo."""
 
     def __init__(self, addresses: tuple[str, ...], max_message_bytes: int, *,
-                 lora_load_on_demand: bool = False) -> None:
+                 lora_load_on_demand: bool = False, worker_streams: bool = True) -> None:
         self.workers: list[WorkerHandle] = []
         self._max_message_bytes = max_message_bytes
+        self.worker_streams = worker_streams
+        """Small generations share one GenerateMany stream per worker; False = a Generate call each."""
         self.lora_load_on_demand = lora_load_on_demand
         """A request naming a known adapter that no healthy worker holds loads it on one (``ensure_adapter``)."""
         self.catalog: dict[str, tuple[str, str]] = {}
@@ -79,6 +91,8 @@ class WorkerPool:
     def _add(self, address: str) -> WorkerHandle:
         channel = insecure_channel(address, self._max_message_bytes)
         handle = WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel))
+        if self.worker_streams:
+            handle.stream = WorkerStream(address, self._max_message_bytes, handle.generate_call)
         self.workers.append(handle)
         return handle
 
@@ -105,6 +119,8 @@ class WorkerPool:
                 if t is not None:
                     t.cancel()
         for w in self.workers:
+            if w.stream is not None:
+                await w.stream.close()
             await w.channel.close()
 
     def _set(self, w: WorkerHandle, healthy: bool) -> None:

@@ -33,9 +33,10 @@ async def serve(config: WorkerConfig) -> None:
     engine = build_engine(config)
     server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     lora_root = Path(config.lora_root) if config.lora_root else None
-    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, WorkerServicer(engine, worker_id, lora_root,
-                                                                                 max_queue=config.max_queue),
-               SERVICE_NAME)
+    servicer = WorkerServicer(engine, worker_id, lora_root, max_queue=config.max_queue)
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME)
+    # New generations on open GenerateMany streams are refused once the drain starts; running ones finish.
+    server.on_drain_start(servicer.many.start_drain)
     server.on_drain(engine.shutdown)
     register_engine_metrics(engine, worker_id)
     await server.start()

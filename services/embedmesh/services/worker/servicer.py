@@ -14,6 +14,7 @@ from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
+from embedmesh.services.worker.many import ManyStreams
 from embedmesh.services.worker.messages import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,9 +31,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker_id = worker_id
         self.lora_root = lora_root or default_lora_root()
         """LoRA adapters load only from folders under this one."""
+        self.many = ManyStreams(lambda request: self.Generate(request, None))
+        """The GenerateMany streams (``worker/many.py``); ``main`` calls ``many.start_drain`` when a drain starts."""
 
     async def Generate(  # noqa: N802 - gRPC method name
-        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext | None
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         # Every engine relies on these checks (sampling ranges, finite rows, shapes, token ids, context), whoever
         # sent the request: they run here, once, for all engines.
@@ -43,6 +46,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         token_text = self.engine.token_text if wants_text else None
         async for delta in coalesced(self.engine.generate(req)):
             yield delta_to_proto(delta, prompt_len, token_text)
+
+    async def GenerateMany(  # noqa: N802
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateManyResponse]:
+        async for results in self.many.serve(request_iterator):
+            yield results
 
     def _admit(self) -> None:
         """Refuse a sequence at once when a full batch is running and ``max_queue`` more already wait."""

@@ -1,0 +1,307 @@
+"""The preprocessor's GenerateMany client (``preprocessor/worker_stream.py``) against a real worker servicer on a
+real gRPC server: generations share one stream and come back as a Generate call gives them, a generation's error
+is an AioRpcError with the worker's details, cancel aborts it in the engine, a stream the worker ended (drain) or
+lost fails what was on it and the next generation opens a new one, a worker without GenerateMany is served by
+Generate calls, the caller's trace context rides in each frame, and the pipeline retries a sequence a draining
+worker refused on another worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from embedmesh.common.v1 import common_pb2
+from embedmesh.core.errors import from_rpc_error
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.services.preprocessor.pipeline import _one
+from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
+from embedmesh.services.preprocessor.workers import WorkerPool
+from embedmesh.services.worker import many
+from embedmesh.services.worker.engines.echo.engine import EchoEngine
+from embedmesh.services.worker.servicer import WorkerServicer
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+
+SERVICE = "embedmesh.worker.v1.WorkerService"
+
+
+class _SlowEcho(EchoEngine):
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__("m", hidden_size=4)
+        self.delay = delay
+        self.closed: list[str] = []
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        try:
+            async for delta in super().generate(request):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                yield delta
+        finally:
+            self.closed.append(request.request_id)
+
+
+def _body(request_id: str, max_tokens: int = 3) -> bytes:
+    req = worker_pb2.GenerateRequest(request_id=request_id)
+    req.segments.add().token_ids.ids.extend([1, 2, 3])
+    req.sampling.max_tokens = max_tokens
+    return req.SerializeToString()
+
+
+async def _serve(servicer: Any) -> Server:
+    server = Server("w", ServerOptions(port=0, grace_seconds=0))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE)
+    await server.start()
+    await server.set_serving(True)
+    return server
+
+
+async def _worker(delay: float = 0.0) -> tuple[WorkerServicer, Server]:
+    servicer = WorkerServicer(_SlowEcho(delay), "w-1")
+    await servicer.engine.start()
+    return servicer, await _serve(servicer)
+
+
+def _fallback_calls(address: str) -> tuple[Any, list[bytes]]:
+    channel = grpc.aio.insecure_channel(address)
+    sent: list[bytes] = []
+    method = channel.unary_stream(f"/{SERVICE}/Generate", request_serializer=None,
+                                  response_deserializer=worker_pb2.GenerateResponse.FromString)
+
+    def call(body: bytes) -> Any:
+        sent.append(body)
+        return method(body)
+
+    return call, sent
+
+
+async def _text(generation: Any) -> tuple[str, int]:
+    text, finish = "", 0
+    async for r in generation:
+        text += r.text
+        finish = r.finish_reason or finish
+    return text, finish
+
+
+def test_many_generations_share_one_stream_and_come_back_as_calls_give_them() -> None:
+    async def run() -> None:
+        servicer, server = await _worker()
+        fallback, sent = _fallback_calls(server.address)
+        stream = WorkerStream(server.address, 64 << 20, fallback)
+        try:
+            got = await asyncio.gather(*(_text(stream.generate(_body(f"r{i}", 1 + i % 7))) for i in range(50)))
+            assert got == [("x" * (1 + i % 7), common_pb2.FINISH_REASON_LENGTH) for i in range(50)]
+            assert servicer.many.open_streams() == 1 and not sent  # one stream, no Generate call
+            assert servicer.engine.stats().completed_requests == 50
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_generation_error_is_an_rpc_error_with_the_workers_details_and_the_stream_goes_on() -> None:
+    async def run() -> None:
+        _, server = await _worker()
+        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _text(stream.generate(_body("", 2)))  # no request_id
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            err = from_rpc_error(info.value)
+            assert err.field == "request_id" and err.reason == "REQUIRED"
+            assert await _text(stream.generate(_body("next", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_cancel_aborts_the_generation_in_the_engine() -> None:
+    async def run() -> None:
+        servicer, server = await _worker(delay=0.01)
+        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        try:
+            generation = stream.generate(_body("long", 1000))
+            await generation.__anext__()
+            assert generation.cancel() is True
+            engine = servicer.engine
+            assert isinstance(engine, _SlowEcho)
+            async with asyncio.timeout(5):
+                while "long" not in engine.closed:
+                    await asyncio.sleep(0.01)
+            assert engine.stats().completed_requests == 0
+            assert generation.cancel() is False  # already ended
+            assert await _text(stream.generate(_body("after", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_stream_the_worker_ended_fails_what_was_on_it_and_the_next_generation_opens_a_new_one() -> None:
+    async def run() -> None:
+        servicer, server = await _worker(delay=0.01)
+        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        try:
+            running = stream.generate(_body("a", 10))
+            await running.__anext__()
+            await servicer.many.start_drain()
+            refused = stream.generate(_body("b", 2))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _text(refused)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert from_rpc_error(info.value).reason == "WORKER_DRAINING"
+            rest, finish = await _text(running)  # the running one finishes; then the worker ends the stream
+            assert finish == common_pb2.FINISH_REASON_LENGTH and len(rest) == 9
+            # A generation sent as the worker ends the stream fails as draining (retried elsewhere, not "lost").
+            late = stream.generate(_body("late", 2))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _text(late)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert from_rpc_error(info.value).reason == "WORKER_DRAINING"
+            servicer.many.draining = False
+            assert await _text(stream.generate(_body("c", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_lost_worker_fails_every_generation_on_the_stream_as_unavailable_without_details() -> None:
+    async def run() -> None:
+        _, server = await _worker(delay=0.02)
+        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        try:
+            generations = [stream.generate(_body(f"r{i}", 500)) for i in range(3)]
+            for g in generations:
+                await g.__anext__()
+            await server._server.stop(0)  # connections reset, as when the process dies
+            for g in generations:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _text(g)
+                assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                trailing = info.value.trailing_metadata() or ()
+                assert not any(k == "grpc-status-details-bin" for k, _ in trailing)
+        finally:
+            await stream.close()
+
+    asyncio.run(run())
+
+
+class _OldWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """A worker from before GenerateMany: Generate only."""
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        yield worker_pb2.GenerateResponse(text="old", token_ids=[1])
+        yield worker_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH, completion_tokens=1)
+
+
+def test_a_worker_without_generate_many_is_served_by_generate_calls() -> None:
+    async def run() -> None:
+        server = await _serve(_OldWorker())
+        fallback, sent = _fallback_calls(server.address)
+        stream = WorkerStream(server.address, 64 << 20, fallback)
+        try:
+            assert await _text(stream.generate(_body("a"))) == ("old", common_pb2.FINISH_REASON_LENGTH)
+            assert not stream.supported and len(sent) == 1
+            assert await _text(stream.generate(_body("b"))) == ("old", common_pb2.FINISH_REASON_LENGTH)
+            assert len(sent) == 2  # straight to a call from now on
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_each_frame_carries_the_callers_trace_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[tuple[str, str]]] = []
+    real = many.Observed
+
+    def recording(method: str, metadata: Any) -> Any:
+        seen.append(list(metadata))
+        return real(method, metadata)
+
+    monkeypatch.setattr(many, "Observed", recording)
+
+    async def run() -> None:
+        _, server = await _worker()
+        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        tracer = TracerProvider().get_tracer("t")
+        try:
+            with tracer.start_as_current_span("caller") as span:
+                await _text(stream.generate(_body("a")))
+                trace_id = format(span.get_span_context().trace_id, "032x")
+            await _text(stream.generate(_body("b")))  # no current span: no context
+        finally:
+            await stream.close()
+            await server._server.stop(0)
+        assert any(k == "traceparent" and trace_id in v for k, v in seen[0])
+        assert seen[1] == []
+
+    asyncio.run(run())
+
+
+def test_the_pool_sends_small_requests_on_the_stream_and_large_ones_as_calls() -> None:
+    async def run() -> None:
+        servicer, server = await _worker()
+        pool = WorkerPool((server.address,), 64 << 20)
+        handle = pool.workers[0]
+        try:
+            small = handle.generate_raw(_body("s"))
+            assert type(small).__name__ == "Generation"
+            big_req = worker_pb2.GenerateRequest.FromString(_body("b"))
+            big_req.segments.add().token_ids.ids.extend([5] * (MAX_STREAM_BODY + 1))
+            big = big_req.SerializeToString()
+            assert len(big) > MAX_STREAM_BODY
+            large = handle.generate_raw(big)
+            assert type(large).__name__ != "Generation"
+            await _text(small)
+            assert await _text(large) == ("xxx", common_pb2.FINISH_REASON_LENGTH)
+            assert servicer.many.open_streams() == 1
+            off = WorkerPool((server.address,), 64 << 20, worker_streams=False)
+            assert type(off.workers[0].generate_raw(_body("o"))).__name__ != "Generation"
+            await off.close()
+        finally:
+            await pool.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_the_pipeline_retries_a_sequence_a_draining_worker_refused_on_another_worker() -> None:
+    async def run() -> None:
+        (draining, s1), (alive, s2) = await _worker(), await _worker()
+        pool = WorkerPool((s1.address, s2.address), 64 << 20)
+        pool.start()
+        try:
+            async with asyncio.timeout(10):
+                while not all(h.healthy for h in pool.workers):
+                    await asyncio.sleep(0.02)
+            await draining.many.start_drain()
+            out: asyncio.Queue[Any] = asyncio.Queue()
+
+            async def pick() -> Any:
+                return pool.workers[0]
+
+            req = worker_pb2.GenerateRequest(request_id="r")
+            await _one(0, req, pick, out, pool, "m", body=_body("r", 4))
+            items = [out.get_nowait() for _ in range(out.qsize())]
+            assert "".join(i[1].text for i in items) == "xxxx"
+            assert alive.engine.stats().completed_requests == 1
+            assert draining.engine.stats().completed_requests == 0
+            assert pool.workers[0].healthy  # refused by the worker, not lost: still in the pool
+            assert out.empty()
+        finally:
+            await pool.close()
+            await s1._server.stop(0)
+            await s2._server.stop(0)
+
+    asyncio.run(run())
