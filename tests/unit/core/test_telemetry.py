@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -118,3 +119,40 @@ def test_rpc_metrics_are_labelled_by_service_method_and_code() -> None:
     telemetry.RPC_REQUESTS.labels(service="t-svc", method="M", code="OK").inc()
     assert telemetry.RPC_REQUESTS.labels("t-svc", "M", "OK")._value.get() == before + 1
     assert telemetry.RPC_LATENCY._labelnames == ("service", "method")
+
+
+_PROBE = """
+import sys
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+from embedmesh.core import telemetry
+telemetry.setup_tracing("probe")
+sdk = isinstance(trace.get_tracer_provider(), TracerProvider)
+# A caller's context passes through a span of this process whether or not spans are recorded.
+parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+with telemetry.tracer().start_as_current_span("s", context=propagate.extract(parent)):
+    out = {}
+    propagate.inject(out)
+print(sdk, out.get("traceparent", "")[:35])
+"""
+
+
+@pytest.mark.parametrize(("env", "records"), [
+    ({"EMBEDMESH_TRACE_CONSOLE": "0"}, False),
+    ({"EMBEDMESH_TRACE_CONSOLE": "1"}, True),
+    ({"EMBEDMESH_TRACE_CONSOLE": "0", "EMBEDMESH_TRACE_FILE": "{tmp}/spans.jsonl"}, True),
+], ids=["nothing exports", "console", "file"])
+def test_spans_are_recorded_only_when_something_exports_them(tmp_path: Path, env: dict[str, str],
+                                                              records: bool) -> None:
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("EMBEDMESH_TRACE", "OTEL_")) and k != "EMBEDMESH_TRACING"}
+    clean.update({k: v.format(tmp=tmp_path) for k, v in env.items()})
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    sdk, traceparent = out.stdout.split()
+    assert sdk == str(records)
+    assert traceparent == "00-0af7651916cd43dd8448eb211c80319c"  # the caller's trace id goes on either way
