@@ -305,3 +305,30 @@ def test_the_pipeline_retries_a_sequence_a_draining_worker_refused_on_another_wo
             await s2._server.stop(0)
 
     asyncio.run(run())
+
+
+def test_the_stream_carries_the_mesh_token_and_a_stream_without_it_is_refused() -> None:
+    from embedmesh.core import tls
+
+    async def run() -> None:
+        tls.configure(tls.Security(mesh_token="s3cret-token-value"))
+        try:
+            _, server = await _worker()
+            stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+            bare = grpc.aio.insecure_channel(server.address)
+            try:
+                assert await _text(stream.generate(_body("a", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
+                frames = worker_pb2.GenerateManyRequest(frames=[worker_pb2.GenerateFrame(
+                    id=1, generate=worker_pb2.GenerateRequest.FromString(_body("b", 2)))])
+                call = worker_pb2_grpc.WorkerServiceStub(bare).GenerateMany(iter([frames]))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    _ = [m async for m in call]
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            finally:
+                await stream.close()
+                await bare.close()
+                await server._server.stop(0)
+        finally:
+            tls.configure(tls.Security())
+
+    asyncio.run(run())
