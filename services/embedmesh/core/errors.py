@@ -25,6 +25,8 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from embedmesh.common.v1 import common_pb2
+
 DOMAIN = "embedmesh"
 
 __all__ = [
@@ -40,6 +42,8 @@ __all__ = [
     "InternalError",
     "to_status",
     "from_rpc_error",
+    "to_status_message",
+    "rpc_error_from_status",
 ]
 
 
@@ -145,6 +149,26 @@ def to_status(err: EmbedmeshError) -> grpc.Status:
         details.append(packed)
     status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message, details=details)
     return rpc_status.to_status(status)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def to_status_message(err: EmbedmeshError) -> common_pb2.RpcStatus:
+    """``err`` as the status one request of a multiplexed stream ends with (``RpcStatus``): code, message and the
+    details a call's ``grpc-status-details-bin`` would carry."""
+    status = to_status(err)
+    details = next((v for k, v in status.trailing_metadata or () if k == "grpc-status-details-bin"), b"")
+    return common_pb2.RpcStatus(code=err.code.value[0], message=err.message, status_details=details)
+
+
+def rpc_error_from_status(status: common_pb2.RpcStatus) -> grpc.aio.AioRpcError:
+    """The ``AioRpcError`` a call ending with ``status`` raises (its details in the trailing metadata), so callers
+    handle a request of a multiplexed stream exactly as a call (``from_rpc_error`` reads field and reason)."""
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.status_details)) if status.status_details \
+        else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(), trailing,
+                                details=status.message)
 
 
 def _status_details(e: grpc.RpcError) -> status_pb2.Status | None:

@@ -12,18 +12,15 @@ fails with that status (UNAVAILABLE ``WORKER_DRAINING`` when the stream ended cl
 on another worker when nothing was sent yet. A worker that does not know GenerateMany (UNIMPLEMENTED: an older
 worker during a rolling upgrade) is remembered, and its generations, this one included, go as ``Generate`` calls.
 
-Frames are queued and written by one writer task, all that waits in one message: a write cancelled with the
-request that made it would cancel the whole stream (grpc.aio cancels a call whose write is cancelled). The stream
-is opened from an empty context on a channel of its own without client interceptors (an intercepted stream call
-writes through an extra queue and task), so it carries no request's trace; each frame carries its own trace
-context, and the mesh token goes as the call's metadata.
+The stream itself (one writer task batching frames, one reader task, opened from an empty context on a channel of
+its own without client interceptors, the mesh token as call metadata) is ``core.mux.MuxSession``; each frame
+carries its caller's trace context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +28,9 @@ from typing import Any
 import grpc
 from opentelemetry import propagate
 
-from embedmesh.core.errors import EmbedmeshError, Unavailable, to_status
+from embedmesh.core.errors import Unavailable, rpc_error_from_status, to_status_message
 from embedmesh.core.logs import get_logger
+from embedmesh.core.mux import MuxSession, entry
 from embedmesh.core.server import plain_mesh_channel
 from embedmesh.core.wire import varint
 from embedmesh.worker.v1 import worker_pb2
@@ -48,37 +46,23 @@ MAX_STREAM_BODY = 256 * 1024
 stream they would hold up every other generation while they are written, and the call path keeps their rows
 uncopied (``core.wire``)."""
 
-_FRAMES_ENTRY = varint((worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number << 3) | 2)
+_FRAMES = worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number
 _GENERATE_KEY = varint((worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number << 3) | 2)
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
-
-def _entry(frame: bytes) -> bytes:
-    return _FRAMES_ENTRY + varint(len(frame)) + frame
-
-
-def _rpc_error(code: grpc.StatusCode, message: str, details: bytes = b"") -> grpc.aio.AioRpcError:
-    trailing = grpc.aio.Metadata(("grpc-status-details-bin", details)) if details else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
-
-
-def _status_error(err: EmbedmeshError) -> grpc.aio.AioRpcError:
-    status = to_status(err)
-    details = next((v for k, v in status.trailing_metadata or () if k == "grpc-status-details-bin"), b"")
-    return _rpc_error(err.code, err.message, details)
-
-
-_ENDED = _status_error(Unavailable(
+_ENDED = rpc_error_from_status(to_status_message(Unavailable(
     "the worker ended its generation stream (it is shutting down); retry on another worker",
-    reason="WORKER_DRAINING", retry_after_seconds=1.0))
+    reason="WORKER_DRAINING", retry_after_seconds=1.0)))
 """What a generation still on a stream the worker ended cleanly fails with: a frame sent as the worker ended its
 stream; the worker is draining, so the pipeline retries it elsewhere without counting the worker as lost."""
+
+_CANCELLED = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                  details="cancelled")
 
 
 class Generation:
     """One generation on a ``WorkerStream``; iterated and cancelled like a ``Generate`` call."""
 
-    def __init__(self, session: _Session | None, gid: int, fallback: Callable[[], Any]) -> None:
+    def __init__(self, session: _Session, gid: int, fallback: Callable[[], Any]) -> None:
         self._session = session
         self._gid = gid
         self._fallback = fallback
@@ -93,20 +77,18 @@ class Generation:
         kind = result.WhichOneof("result")
         if kind == "response":
             self._queue.append(result.response)
+            self._event.set()
         elif kind == "error":
-            e = result.error
-            self._end(_rpc_error(_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.message, e.status_details))
+            self._end(rpc_error_from_status(result.error))
         elif kind == "end":
             self._end(None)
-        self._event.set()
 
     def _end(self, error: grpc.aio.AioRpcError | None) -> None:
         if self._done:
             return
         self._done = True
         self._error = error
-        if self._session is not None:
-            self._session.sinks.pop(self._gid, None)
+        self._session.sinks.pop(self._gid, None)
         self._event.set()
 
     def __aiter__(self) -> Generation:
@@ -121,8 +103,7 @@ class Generation:
             if self._done:
                 if self._error is None:
                     raise StopAsyncIteration
-                if self._error.code() == grpc.StatusCode.UNIMPLEMENTED and self._session is not None \
-                        and self._session.unsupported:
+                if self._error.code() == grpc.StatusCode.UNIMPLEMENTED and self._session.unsupported:
                     self._call = self._fallback().__aiter__()
                     return await self._call.__anext__()
                 raise self._error
@@ -132,94 +113,58 @@ class Generation:
     def cancel(self) -> bool:
         """Stop the generation (no-op once it ended)."""
         if self._call is not None:
-            return bool(self._call.cancel()) if hasattr(self._call, "cancel") else False
+            return bool(self._call.cancel())
         if self._done:
             return False
-        self._end(_rpc_error(grpc.StatusCode.CANCELLED, "cancelled"))
-        if self._session is not None and not self._session.closed:
-            self._session.send(worker_pb2.GenerateFrame(id=self._gid, cancel=worker_pb2.CancelGeneration())
-                               .SerializeToString())
+        self._end(_CANCELLED)
+        self._session.send(worker_pb2.GenerateFrame(id=self._gid, cancel=worker_pb2.CancelGeneration())
+                           .SerializeToString())
         return True
 
 
 class _Session:
-    """One open GenerateMany call: a writer task for frames, a reader task handing results to generations."""
+    """One open GenerateMany call and the generations on it."""
 
     def __init__(self, open_call: Callable[[], Any], on_unimplemented: Callable[[], None]) -> None:
         self.sinks: dict[int, Generation] = {}
-        self.closed = False
         self.unsupported = False
-        self._pending: list[bytes] = []
         self._ids = itertools.count(1)
-        self._flush = asyncio.Event()
         self._on_unimplemented = on_unimplemented
-        self._call: Any = None
-        # The stream outlives the request that opened it: it carries no request's trace context or principal.
-        self._task = asyncio.get_running_loop().create_task(self._run(open_call), context=contextvars.Context())
+        self._mux = MuxSession(open_call, self._on_message, self._on_end)
+
+    @property
+    def closed(self) -> bool:
+        return self._mux.closed
 
     def next_id(self) -> int:
         return next(self._ids)
 
     def send(self, frame: bytes) -> None:
-        self._pending.append(_entry(frame))
-        self._flush.set()
+        if not self._mux.closed:
+            self._mux.send(entry(_FRAMES, frame))
 
-    async def _run(self, open_call: Callable[[], Any]) -> None:
-        call = self._call = open_call()
-        reader = asyncio.ensure_future(self._read(call))
-        try:
-            while not reader.done():
-                await self._flush.wait()
-                self._flush.clear()
-                if not self._pending:
-                    continue
-                batch = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
-                self._pending.clear()
-                await call.write(batch)
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        except Exception:  # noqa: BLE001 - the call ended (its status reaches the reader); stop writing
-            pass
-        finally:
-            await asyncio.gather(reader, return_exceptions=True)
+    def _on_message(self, message: worker_pb2.GenerateManyResponse) -> None:
+        for result in message.results:
+            sink = self.sinks.get(result.id)
+            if sink is not None:
+                sink._deliver(result)
 
-    async def _read(self, call: Any) -> None:
-        error: grpc.aio.AioRpcError | None = None
-        try:
-            async for message in call:
-                for result in message.results:
-                    sink = self.sinks.get(result.id)
-                    if sink is not None:
-                        sink._deliver(result)
-        except grpc.aio.AioRpcError as e:
-            error = e
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.unsupported = True
-                self._on_unimplemented()
-        except asyncio.CancelledError:
-            error = _rpc_error(grpc.StatusCode.CANCELLED, "the stream to the worker was closed")
-            raise
-        finally:
-            self.closed = True
-            if error is None:
-                error = _ENDED
-            for sink in list(self.sinks.values()):
-                sink._end(error)
-            self.sinks.clear()
-            self._flush.set()
+    def _on_end(self, error: grpc.aio.AioRpcError | None) -> None:
+        if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.unsupported = True
+            self._on_unimplemented()
+        for sink in list(self.sinks.values()):
+            sink._end(error or _ENDED)
+        self.sinks.clear()
 
     def close(self) -> None:
-        self.closed = True
-        self._task.cancel()
+        self._mux.close()
 
 
 class WorkerStream:
     """The GenerateMany stream to one worker (opened on first use, re-opened after it ended)."""
 
     def __init__(self, address: str, max_message_bytes: int, fallback: Callable[[bytes], Any]) -> None:
-        # A channel of its own without interceptors (an intercepted stream writes through an extra queue and task);
-        # the mesh token goes as the call's metadata.
         self._channel, metadata = plain_mesh_channel(address, max_message_bytes)
         method = self._channel.stream_stream(GENERATE_MANY, request_serializer=None,
                                              response_deserializer=worker_pb2.GenerateManyResponse.FromString)
@@ -246,8 +191,7 @@ class WorkerStream:
         session.sinks[gid] = generation
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        head = worker_pb2.GenerateFrame(id=gid, trace_context=carrier).SerializeToString() if carrier else \
-            worker_pb2.GenerateFrame(id=gid).SerializeToString()
+        head = worker_pb2.GenerateFrame(id=gid, trace_context=carrier).SerializeToString()
         session.send(head + _GENERATE_KEY + varint(len(body)) + body)
         return generation
 
@@ -256,4 +200,3 @@ class WorkerStream:
             self._session.close()
             self._session = None
         await self._channel.close()
-

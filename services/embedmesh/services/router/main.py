@@ -42,6 +42,7 @@ async def serve(config: RouterConfig) -> None:
     servicer = build(config)
     server = Server("router", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
     server.add(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, SERVICE_NAME)
+    server.on_drain_start(servicer.start_drain)
     await server.start()
     server.install_signal_handlers()
     await server.set_serving(True)

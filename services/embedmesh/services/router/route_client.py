@@ -5,10 +5,16 @@ counts it in ``embedmesh_router_fallback_total`` (by reason) and warns once per 
 its own worker pool (round robin over the healthy workers it knows, those the router named before included). That
 pool is the one fallback: this client keeps no worker list of its own. A router that failed is skipped for
 ``retry_after`` seconds, so an outage costs one timeout, not one per request.
+
+Questions go to each replica over one long-lived ``RouteMany`` stream (``_RouteStream``, on ``core.mux``): a message
+on an open stream costs a fraction of a call. A question unanswered within ``timeout`` counts as
+DEADLINE_EXCEEDED; a stream that ends fails its open questions (UNAVAILABLE) and the next question opens a new one;
+a replica that does not know RouteMany (UNIMPLEMENTED) is asked with ``Route`` calls from then on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -16,10 +22,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from opentelemetry import propagate
 
-from embedmesh.core.errors import from_rpc_error
+from embedmesh.core.errors import Unavailable, from_rpc_error, rpc_error_from_status, to_status_message
 from embedmesh.core.logs import get_logger
-from embedmesh.core.server import insecure_channel
+from embedmesh.core.mux import MuxSession, entry
+from embedmesh.core.server import insecure_channel, plain_mesh_channel
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.services.router.metrics import FALLBACKS
 
@@ -68,6 +76,83 @@ class Routes(Protocol):
     async def close(self) -> None: ...
 
 
+ROUTE_MANY = "/embedmesh.router.v1.RouterService/RouteMany"
+_QUESTIONS = router_pb2.RouteManyRequest.DESCRIPTOR.fields_by_name["questions"].number
+_ENDED = rpc_error_from_status(to_status_message(Unavailable(
+    "the router ended its RouteMany stream (it is shutting down)", reason="ROUTER_DRAINING")))
+
+
+def _deadline(timeout: float) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                details=f"the router did not answer within {timeout:g} s")
+
+
+class _RouteStream:
+    """Route questions to one replica over its RouteMany stream (opened on first use, re-opened after it ended);
+    ``Route`` calls once the replica answered UNIMPLEMENTED."""
+
+    def __init__(self, address: str, stub: router_pb2_grpc.RouterServiceStub) -> None:
+        self._channel, metadata = plain_mesh_channel(address)
+        method = self._channel.stream_stream(ROUTE_MANY, request_serializer=None,
+                                             response_deserializer=router_pb2.RouteManyResponse.FromString)
+        self._open = lambda: method(metadata=metadata)
+        self._stub = stub
+        self._session: MuxSession | None = None
+        self._waiting: dict[int, asyncio.Future[router_pb2.RouteResponse]] = {}
+        self._ids = itertools.count(1)
+        self.supported = True
+
+    async def ask(self, request: router_pb2.RouteRequest, timeout: float) -> router_pb2.RouteResponse:
+        """The replica's answer; raises the AioRpcError a Route call would (DEADLINE_EXCEEDED past ``timeout``)."""
+        if not self.supported:
+            return await self._stub.Route(request, timeout=timeout)
+        if self._session is None or self._session.closed:
+            self._session = MuxSession(self._open, self._on_message, self._on_end)
+        qid = next(self._ids)
+        future: asyncio.Future[router_pb2.RouteResponse] = asyncio.get_running_loop().create_future()
+        self._waiting[qid] = future
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        self._session.send(entry(_QUESTIONS, router_pb2.RouteQuestion(
+            id=qid, request=request, trace_context=carrier).SerializeToString()))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise _deadline(timeout) from None
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self.supported:
+                return await self._stub.Route(request, timeout=timeout)
+            raise
+        finally:
+            self._waiting.pop(qid, None)
+
+    def _on_message(self, message: router_pb2.RouteManyResponse) -> None:
+        for answer in message.answers:
+            future = self._waiting.pop(answer.id, None)
+            if future is None or future.done():
+                continue
+            if answer.WhichOneof("result") == "error":
+                future.set_exception(rpc_error_from_status(answer.error))
+            else:
+                future.set_result(answer.response)
+
+    def _on_end(self, error: grpc.aio.AioRpcError | None) -> None:
+        if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if self.supported:
+                log.warning("router does not serve RouteMany; using a Route call per request")
+            self.supported = False
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(error or _ENDED)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        await self._channel.close()
+
+
 class RouteClient:
     """Asks the router replicas; None when none answers (see the module docstring)."""
 
@@ -81,11 +166,14 @@ class RouteClient:
         self.routers = list(routers)
         self._channels = [insecure_channel(a) for a in self.routers]
         self._stubs = [router_pb2_grpc.RouterServiceStub(c) for c in self._channels]
+        self._streams = [_RouteStream(a, stub) for a, stub in zip(self.routers, self._stubs, strict=True)]
         self._down_until = [0.0] * len(self._stubs)
         self._next = itertools.count()
         self._warned = False
 
     async def close(self) -> None:
+        for stream in self._streams:
+            await stream.close()
         for c in self._channels:
             await c.close()
 
@@ -105,7 +193,7 @@ class RouteClient:
                 reason = "router_down"
                 continue
             try:
-                resp = await self._stubs[k].Route(req, timeout=self.timeout)
+                resp = await self._streams[k].ask(req, self.timeout)
             except grpc.aio.AioRpcError as e:
                 err = from_rpc_error(e)
                 reason = err.reason.lower()

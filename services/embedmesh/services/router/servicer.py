@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.errors import EmbedmeshError, InvalidArgument, to_status_message
 from embedmesh.core.logs import get_logger
+from embedmesh.core.server import Observed, unexpected_error
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.services.router.metrics import DROPS, EVENTS, INDEX_BLOCKS, RESYNCS, WORKERS
 from embedmesh.services.router.policy import KvRouter
@@ -37,6 +38,9 @@ from embedmesh.services.router.registry import (
 )
 
 __all__ = ["RouterServicer", "SERVICE_NAME", "update_gauges"]
+
+ROUTE_METHOD = "/embedmesh.router.v1.RouterService/Route"
+"""What one RouteMany question is observed as (span name, RPC metrics)."""
 
 SERVICE_NAME = "embedmesh.router.v1.RouterService"
 
@@ -127,6 +131,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.router = router
         self.registry = router.registry
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self.draining = False
+        """Set when a drain starts: each RouteMany stream ends after answering its next message, so open streams
+        do not hold the drain for its whole grace (the caller opens a stream to another replica)."""
 
     async def WorkerStream(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[router_pb2.WorkerStreamRequest], context: grpc.aio.ServicerContext
@@ -177,6 +184,39 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def Route(  # noqa: N802
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
+        return self._route(request)
+
+    async def RouteMany(  # noqa: N802
+        self, request_iterator: AsyncIterator[router_pb2.RouteManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouteManyResponse]:
+        # Deciding is synchronous: each message's questions are answered at once, in one message.
+        async for message in request_iterator:
+            yield router_pb2.RouteManyResponse(answers=[self._answer(q) for q in message.questions])
+            if self.draining:
+                return
+
+    async def start_drain(self) -> None:
+        self.draining = True
+
+    def _answer(self, question: router_pb2.RouteQuestion) -> router_pb2.RouteAnswer:
+        """One RouteMany question, observed (span, RPC metrics) and answered as a Route call."""
+        with Observed(ROUTE_METHOD, list(question.trace_context.items())) as obs:
+            try:
+                if question.id == 0:
+                    raise InvalidArgument("questions[].id must be >= 1", field="id", reason="OUT_OF_RANGE")
+                if not question.HasField("request"):
+                    raise InvalidArgument(f"question {question.id}: request is required", field="request",
+                                          reason="REQUIRED")
+                return router_pb2.RouteAnswer(id=question.id, response=self._route(question.request))
+            except EmbedmeshError as e:
+                obs.fail(e.code.name)
+                return router_pb2.RouteAnswer(id=question.id, error=to_status_message(e))
+            except Exception as e:  # noqa: BLE001 - as the interceptor does for a call: INTERNAL + incident
+                obs.fail("INTERNAL")
+                return router_pb2.RouteAnswer(id=question.id,
+                                              error=to_status_message(unexpected_error(e, ROUTE_METHOD)))
+
+    def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         d = self.router.route(request.model, request.block_hashes, request.block_size, request.prompt_tokens,
                               request.request_id, _adapter_name(request.lora_adapter, "lora_adapter"))
         return router_pb2.RouteResponse(

@@ -25,7 +25,7 @@ import asyncio
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status
+from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import Observed, unexpected_error
 from embedmesh.worker.v1 import worker_pb2
@@ -47,13 +47,7 @@ Generate = Callable[[worker_pb2.GenerateRequest], AsyncIterator[worker_pb2.Gener
 
 def error_result(gid: int, err: EmbedmeshError) -> worker_pb2.GenerateResult:
     """The result that ends generation ``gid`` with ``err``'s status, details included."""
-    status = to_status(err)
-    details = b""
-    for key, value in status.trailing_metadata or ():
-        if key == "grpc-status-details-bin":
-            details = value
-    return worker_pb2.GenerateResult(id=gid, error=worker_pb2.GenerationError(
-        code=err.code.value[0], message=err.message, status_details=details))
+    return worker_pb2.GenerateResult(id=gid, error=to_status_message(err))
 
 
 class _Stream:

@@ -3,8 +3,14 @@ the caller's worker pool is the one fallback); a failed router is skipped for a 
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
 from prometheus_client import REGISTRY
 
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.services.router.route_client import RouteClient
 from tests.support.mesh import free_port
 from tests.unit.services.router.test_servicer import FakeWorker, start_router, until
@@ -53,3 +59,64 @@ async def test_live_router_decides_and_an_outage_leaves_the_choice_to_the_caller
     assert outage == [None, None]
     assert fallbacks() == before + 2
     await client.close()
+
+
+async def test_questions_ride_one_route_many_stream() -> None:
+    r = await start_router()
+    client = RouteClient([r.address], block_size=4, timeout=2)
+    async with FakeWorker([r.address], "a"):
+        decisions = await asyncio.gather(*(client.route("m", [], 4, f"r{i}") for i in range(20)))
+        assert {d.worker_id for d in decisions if d is not None} == {"a"} and None not in decisions
+        stream = client._streams[0]
+        assert stream.supported and stream._session is not None and not stream._session.closed
+        assert stream._waiting == {}
+    await client.close()
+    await r.close()
+
+
+class _SilentRouter(router_pb2_grpc.RouterServiceServicer):
+    """Reads RouteMany questions and never answers; knows no Route either."""
+
+    async def RouteMany(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for _ in request_iterator:
+            pass
+        return
+        yield  # pragma: no cover
+
+
+class _OldRouter(router_pb2_grpc.RouterServiceServicer):
+    """A router from before RouteMany: Route only."""
+
+    async def Route(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return router_pb2.RouteResponse(worker_id="old", address="127.0.0.1:1", overlap_blocks=0)
+
+
+async def _serve(servicer: Any) -> Server:
+    server = Server("r", ServerOptions(port=0, grace_seconds=0))
+    server.add(router_pb2_grpc.add_RouterServiceServicer_to_server, servicer, "embedmesh.router.v1.RouterService")
+    await server.start()
+    return server
+
+
+async def test_an_unanswered_question_times_out_as_a_deadline_and_the_router_is_skipped() -> None:
+    import time
+
+    server = await _serve(_SilentRouter())
+    client = RouteClient([server.address], block_size=4, timeout=0.3, retry_after=30)
+    t0 = time.monotonic()
+    assert await client.route("m", [1], 4) is None
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert client._down_until[0] > t0 + 29 and client._streams[0]._waiting == {}
+    await client.close()
+    await server.drain()
+
+
+async def test_a_router_without_route_many_is_asked_with_route_calls() -> None:
+    server = await _serve(_OldRouter())
+    client = RouteClient([server.address], block_size=4, timeout=2)
+    for _ in range(2):
+        d = await client.route("m", [1], 4)
+        assert d is not None and d.worker_id == "old"
+    assert not client._streams[0].supported
+    await client.close()
+    await server.drain()

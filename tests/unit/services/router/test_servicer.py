@@ -371,3 +371,65 @@ async def test_bad_worker_streams(router: RouterUnderTest, messages: list[Any], 
     assert router.index.blocks_of("w") == 0
     async with FakeWorker([router.address], "ok"):
         assert (await router.route([])).worker_id == "ok", "the router keeps serving"
+
+
+async def _ask_many(router: RouterUnderTest, *questions: router_pb2.RouteQuestion) -> list[router_pb2.RouteAnswer]:
+    call = router.stub.RouteMany(iter([router_pb2.RouteManyRequest(questions=list(questions))]))
+    return [a async for m in call for a in m.answers]
+
+
+@pytest.mark.parametrize("request_,field,code", [
+    (router_pb2.RouteRequest(block_size=BS, prompt_tokens=4), "model", grpc.StatusCode.INVALID_ARGUMENT),
+    (router_pb2.RouteRequest(model="m", block_size=BS, prompt_tokens=8, block_hashes=[0]), "block_hashes",
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (router_pb2.RouteRequest(model="absent", block_size=BS, prompt_tokens=4), "model", grpc.StatusCode.UNAVAILABLE),
+    (router_pb2.RouteRequest(model="m", block_size=BS, prompt_tokens=4, lora_adapter="a b"), "lora_adapter",
+     grpc.StatusCode.INVALID_ARGUMENT),
+])
+async def test_route_many_answers_each_question_as_route_would(router: RouterUnderTest, request_: Any, field: str,
+                                                               code: Any) -> None:
+    from embedmesh.core.errors import rpc_error_from_status
+
+    async with FakeWorker([router.address], "a") as a:
+        a.store(0, [1, 2])
+        await until(lambda: router.index.blocks_of("a") == 2)
+        good = router_pb2.RouteRequest(model="m", block_hashes=[1, 2], block_size=BS, prompt_tokens=2 * BS)
+        answers = await _ask_many(router, router_pb2.RouteQuestion(id=5, request=request_),
+                                  router_pb2.RouteQuestion(id=6, request=good))
+        assert [x.id for x in answers] == [5, 6]
+        err = rpc_error_from_status(answers[0].error)
+        assert err.code() == code and from_rpc_error(err).field == field
+        assert answers[1].response.worker_id == "a" and answers[1].response.overlap_blocks == 2
+        assert [c.worker_id for c in answers[1].response.candidates] == ["a"]
+
+
+async def test_route_many_questions_without_an_id_or_a_request_are_refused_by_name(router: RouterUnderTest) -> None:
+    from embedmesh.core.errors import rpc_error_from_status
+
+    answers = await _ask_many(router, router_pb2.RouteQuestion(id=0, request=router_pb2.RouteRequest(model="m")),
+                              router_pb2.RouteQuestion(id=3))
+    fields = [from_rpc_error(rpc_error_from_status(x.error)).field for x in answers]
+    assert fields == ["id", "request"]
+    assert all(x.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] for x in answers)
+
+
+async def test_a_draining_router_ends_route_many_streams_after_their_next_answer(router: RouterUnderTest) -> None:
+    async with FakeWorker([router.address], "a"):
+        queue: asyncio.Queue[router_pb2.RouteManyRequest | None] = asyncio.Queue()
+
+        async def questions() -> AsyncIterator[router_pb2.RouteManyRequest]:
+            while (q := await queue.get()) is not None:
+                yield q
+
+        call = router.stub.RouteMany(questions())
+        ask = router_pb2.RouteManyRequest(questions=[router_pb2.RouteQuestion(id=1, request=router_pb2.RouteRequest(
+            model="m", block_size=BS, prompt_tokens=BS))])
+        queue.put_nowait(ask)
+        first = await call.read()
+        assert first.answers[0].response.worker_id == "a"
+        await router.servicer.start_drain()
+        queue.put_nowait(ask)
+        second = await call.read()
+        assert second.answers[0].response.worker_id == "a"  # answered, then the stream ends though we never hang up
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK

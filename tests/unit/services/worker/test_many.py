@@ -13,6 +13,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from embedmesh.common.v1 import common_pb2
 from embedmesh.services.worker.engines.echo.engine import EchoEngine
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2
@@ -76,7 +77,7 @@ def _text(results: list[worker_pb2.GenerateResult]) -> str:
     return "".join(r.response.text for r in results if r.WhichOneof("result") == "response")
 
 
-def _details(err: worker_pb2.GenerationError) -> tuple[str, str]:
+def _details(err: common_pb2.RpcStatus) -> tuple[str, str]:
     status = status_pb2.Status.FromString(err.status_details)
     info = error_details_pb2.ErrorInfo()
     for d in status.details:
