@@ -56,6 +56,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_mesh import drive, pct  # noqa: E402
 
+from embedmesh.core.server import run_service  # noqa: E402
+
 from tests.support.mesh import free_port, start_mesh  # noqa: E402
 
 MODEL = "echo"
@@ -173,7 +175,7 @@ def _serve_http(port: int) -> None:
 def serve_main(kind: str, port: int, parent: int) -> None:
     _die_with_parent(parent)
     if kind == "grpc":
-        asyncio.run(_serve_grpc(port))
+        run_service(_serve_grpc(port))  # the same event loop as the mesh's services
     else:
         _serve_http(port)
 

@@ -24,6 +24,7 @@ import uvicorn
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
+from embedmesh.core.server import run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.gateway.app import create_app
 from embedmesh.gateway.config import GatewayConfig
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_tracing("gateway")
     log.info("config", extra={"config": config.describe(), "drain_seconds": known.drain_seconds,
                               "https": bool(known.https_cert)})
-    asyncio.run(serve(config, known.drain_seconds, known.https_cert, known.https_key))
+    run_service(serve(config, known.drain_seconds, known.https_cert, known.https_key))
     log.info("stopped")
 
 

@@ -19,9 +19,9 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +43,7 @@ from embedmesh.core.telemetry import (
 )
 
 __all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
+           "run_service", "EVENT_LOOPS",
            "metadata_interceptors",
            "ErrorInterceptor", "Observed", "unexpected_error",
            "LIVENESS", "Access"]
@@ -141,6 +142,39 @@ def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token
         return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes),
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes), interceptors=interceptors)
+
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+"""``EMBEDMESH_EVENT_LOOP``: ``auto`` (uvloop when installed, else asyncio's), ``uvloop`` (required), ``asyncio``."""
+
+_T = TypeVar("_T")
+
+
+def event_loop_choice() -> str:
+    """The event loop ``run_service`` will use: "uvloop" or "asyncio" (``EMBEDMESH_EVENT_LOOP``)."""
+    choice = os.environ.get("EMBEDMESH_EVENT_LOOP", "auto").strip().lower() or "auto"
+    if choice not in EVENT_LOOPS:
+        raise SystemExit(f"EMBEDMESH_EVENT_LOOP must be one of {', '.join(EVENT_LOOPS)}, got {choice!r}")
+    if choice == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("EMBEDMESH_EVENT_LOOP=uvloop but uvloop is not installed (pip install uvloop)") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def run_service(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run a service's main coroutine to the end on uvloop when it is installed (``EMBEDMESH_EVENT_LOOP``): a
+    request through the mesh is mostly event-loop callbacks (grpc.aio's completions, futures, tasks), which
+    uvloop runs for less (``bench/bench_fastpath.py`` measures both sides on the same loop)."""
+    if event_loop_choice() == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def plain_mesh_channel(address: str, max_message_bytes: int = 512 * MiB

@@ -4,6 +4,7 @@ INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -162,3 +163,31 @@ async def test_bytes_that_are_not_a_protobuf_are_invalid_argument(open_server: S
         # ... and the server keeps serving.
         ok = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b, response_deserializer=lambda b: b)
         assert await ok(b"") is not None
+
+
+@pytest.mark.parametrize(("value", "loop_module"), [("", "uvloop"), ("auto", "uvloop"), ("uvloop", "uvloop"),
+                                                   ("asyncio", "asyncio")])
+def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                      loop_module: str) -> None:
+    from embedmesh.core.server import run_service
+
+    monkeypatch.setenv("EMBEDMESH_EVENT_LOOP", value)
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+    assert run_service(which()) == loop_module
+
+
+def test_an_unknown_event_loop_is_a_usage_error_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedmesh.core.server import run_service
+
+    monkeypatch.setenv("EMBEDMESH_EVENT_LOOP", "trio")
+
+    async def nothing() -> None:
+        return None
+
+    coro = nothing()
+    with pytest.raises(SystemExit, match="auto, uvloop, asyncio"):
+        run_service(coro)
+    coro.close()

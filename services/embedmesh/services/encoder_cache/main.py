@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.config import Settings, option
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
-from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.server import Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.encoder_cache.service import SERVICE_NAME, EncoderCacheServicer
 from embedmesh.services.encoder_cache.tiered import DEFAULT_MAX_TTL_SECONDS, CacheConfig, TieredCache
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     options, config, max_bytes = parse(configure_from_argv(argv, prog="embedmesh-encoder-cache"))
     setup_logging("encoder-cache")
     setup_tracing("encoder-cache")
-    asyncio.run(serve(options, config, max_bytes))
+    run_service(serve(options, config, max_bytes))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from embedmesh.cache.v1 import cache_pb2_grpc
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
 from embedmesh.core.security import describe as describe_security
-from embedmesh.core.server import Access, Server, ServerOptions
+from embedmesh.core.server import Access, Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.inference.v1 import inference_pb2_grpc
 from embedmesh.router.v1 import router_pb2_grpc
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("preprocessor")
     setup_tracing("preprocessor")
     log.info("config", extra={"config": config.describe(), "security": describe_security()})
-    asyncio.run(serve(config))
+    run_service(serve(config))
 
 
 if __name__ == "__main__":

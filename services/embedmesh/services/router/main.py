@@ -7,7 +7,7 @@ import random
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
-from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.server import Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2_grpc
 from embedmesh.services.router.config import RouterConfig
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("router")
     setup_tracing("router")
     log.info("config", extra={"config": config.describe()})
-    asyncio.run(serve(config))
+    run_service(serve(config))
 
 
 if __name__ == "__main__":

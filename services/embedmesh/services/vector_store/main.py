@@ -10,7 +10,7 @@ import asyncio
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
-from embedmesh.core.server import Access, Server, ServerOptions
+from embedmesh.core.server import Access, Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.services.vector_store.config import VectorStoreConfig
 from embedmesh.services.vector_store.servicer import SERVICE_NAME, VectorStoreServicer
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("vector-store")
     setup_tracing("vector-store")
     log.info("config", extra={"config": config.describe()})
-    asyncio.run(serve(config))
+    run_service(serve(config))
 
 
 if __name__ == "__main__":

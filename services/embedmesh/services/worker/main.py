@@ -4,14 +4,13 @@ serve it (NOT_SERVING until the model is loaded). No engine is named here: what 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import uuid
 from pathlib import Path
 
 from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
-from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.server import Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.router.v1 import router_pb2
 from embedmesh.services.worker.config import WorkerConfig
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("worker")
     setup_tracing("worker")
     log.info("config", extra={"config": config.describe()})
-    asyncio.run(serve(config))
+    run_service(serve(config))
 
 
 if __name__ == "__main__":
