@@ -57,7 +57,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_mesh import drive, pct  # noqa: E402
 
 from embedmesh.core.server import run_service  # noqa: E402
-
 from tests.support.mesh import free_port, start_mesh  # noqa: E402
 
 MODEL = "echo"
