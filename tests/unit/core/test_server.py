@@ -191,3 +191,15 @@ def test_an_unknown_event_loop_is_a_usage_error_naming_the_choices(monkeypatch: 
     with pytest.raises(SystemExit, match="auto, uvloop, asyncio"):
         run_service(coro)
     coro.close()
+
+
+async def test_a_service_registered_without_its_method_handlers_is_refused() -> None:
+    """Only the generated registration hands its handlers over to be wrapped; a registration that adds generic
+    handlers alone would be served without authentication or error mapping, so ``add`` refuses it."""
+
+    def register(servicer: Any, server: Any) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Y", {}),))
+
+    server = Server("refuse", ServerOptions(port=0))
+    with pytest.raises(TypeError, match="generated add_"):
+        server.add(register, object(), "x.Y")
