@@ -2,7 +2,8 @@
 without the mesh, and the ratio mesh/limit — all measured in one run, on the same machine, at the same moment.
 
 The limits are bare servers in their own processes (as the mesh's services are), started by this script and
-killed at the end (also on Ctrl-C, SIGTERM or an exception):
+killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event loop as the mesh's services
+(uvloop when installed: ``core.server.run_service``; uvicorn picks it by itself):
 
   L1  a bare grpc.aio server (generic handlers on raw bytes, no interceptors): one unary hop, a unary_stream relay
       and a stream_unary sink.
