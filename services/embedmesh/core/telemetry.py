@@ -124,9 +124,15 @@ def tracer() -> trace.Tracer:
     return _tracer
 
 
+MAX_TRACE_VALUE = 8192
+"""Longest trace-context value read (gRPC's own metadata limit): a frame of a multiplexed stream carries its trace
+context in the message, where nothing else bounds it."""
+
+
 def extract_context(metadata: Sequence[tuple[str, Any]] | None) -> otel_context.Context:
-    """The caller's trace context from gRPC invocation metadata (empty context when none)."""
-    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    """The caller's trace context from gRPC invocation metadata or a stream frame's ``trace_context`` (empty context
+    when none; values past ``MAX_TRACE_VALUE`` characters are ignored)."""
+    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str) and len(v) <= MAX_TRACE_VALUE}
     return propagate.extract(carrier)
 
 

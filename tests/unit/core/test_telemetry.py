@@ -156,3 +156,17 @@ def test_spans_are_recorded_only_when_something_exports_them(tmp_path: Path, env
     sdk, traceparent = out.stdout.split()
     assert sdk == str(records)
     assert traceparent == "00-0af7651916cd43dd8448eb211c80319c"  # the caller's trace id goes on either way
+
+
+def test_an_oversized_trace_context_value_is_ignored() -> None:
+    from opentelemetry import trace as otel_trace
+
+    good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    ctx = telemetry.extract_context([("traceparent", good)])
+    assert otel_trace.get_current_span(ctx).get_span_context().trace_id == 0x0af7651916cd43dd8448eb211c80319c
+    # A later version may carry more fields: valid at any length, were it not for the cap.
+    later = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-"
+    short = telemetry.extract_context([("traceparent", later + "x" * 16)])
+    assert otel_trace.get_current_span(short).get_span_context().is_valid
+    huge = telemetry.extract_context([("traceparent", later + "x" * telemetry.MAX_TRACE_VALUE)])
+    assert not otel_trace.get_current_span(huge).get_span_context().is_valid
