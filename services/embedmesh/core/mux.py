@@ -53,7 +53,13 @@ class MuxSession:
         self._flush.set()
 
     async def _run(self, open_call: Callable[[], Any]) -> None:
-        call = open_call()
+        try:
+            call = open_call()
+        except Exception as e:  # noqa: BLE001 - e.g. the channel is closed: every request on it fails, none hangs
+            self.closed = True
+            self._on_end(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                              details=f"the stream could not be opened ({type(e).__name__})"))
+            return
         reader = asyncio.ensure_future(self._read(call))
         try:
             while not reader.done():

@@ -80,3 +80,14 @@ async def test_a_clean_end_and_a_failure_are_reported_and_close_the_session() ->
         session.send(b"after")  # a closed session takes no more and raises nothing
         await channel.close()
         await server.stop(0)
+
+
+async def test_a_stream_that_cannot_be_opened_ends_the_session_at_once() -> None:
+    def broken() -> Any:
+        raise RuntimeError("channel closed")
+
+    ended: asyncio.Future[grpc.aio.AioRpcError | None] = asyncio.get_running_loop().create_future()
+    session = MuxSession(broken, lambda m: None, ended.set_result)
+    session.send(b"x")
+    error = await asyncio.wait_for(ended, 5)
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and session.closed

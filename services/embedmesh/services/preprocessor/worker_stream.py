@@ -68,6 +68,8 @@ class Generation:
         self._fallback = fallback
         self._call: Any = None
         """The Generate call this generation moved to (the worker does not know GenerateMany)."""
+        self._responses: Any = None
+        """That call's response iterator."""
         self._queue: collections.deque[worker_pb2.GenerateResponse] = collections.deque()
         self._event = asyncio.Event()
         self._done = False
@@ -95,8 +97,8 @@ class Generation:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
-        if self._call is not None:
-            return await self._call.__anext__()
+        if self._responses is not None:
+            return await self._responses.__anext__()
         while True:
             if self._queue:
                 return self._queue.popleft()
@@ -104,8 +106,9 @@ class Generation:
                 if self._error is None:
                     raise StopAsyncIteration
                 if self._error.code() == grpc.StatusCode.UNIMPLEMENTED and self._session.unsupported:
-                    self._call = self._fallback().__aiter__()
-                    return await self._call.__anext__()
+                    self._call = self._fallback()
+                    self._responses = self._call.__aiter__()
+                    return await self._responses.__anext__()
                 raise self._error
             self._event.clear()
             await self._event.wait()
