@@ -15,6 +15,8 @@ __all__ = ["PreprocessorConfig"]
 
 MiB = 1024 * 1024
 
+WORKER_STREAMS = ("all", "routed", "off")
+
 
 @dataclass(frozen=True)
 class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-preprocessor",
@@ -66,9 +68,11 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     tool_call_parser: str = option("hermes", aliases=("EMBEDMESH_TOOL_CALL_PARSER",))
     """How tool calls are read from the model's output: ``hermes`` (``<tool_call>{...}</tool_call>``; the parsers
     are in ``preprocessor/tools.py``; vLLM's flag name)."""
-    worker_streams: bool = True
-    """Send small generation requests to each worker over one long-lived GenerateMany stream (a frame each)
-    instead of a Generate call each: a frame on an open stream costs a fraction of a call. Off: a call each."""
+    worker_streams: str = option("all", choices=WORKER_STREAMS)
+    """Which workers get small generation requests as frames on one long-lived GenerateMany stream (a frame costs a
+    fraction of a call) instead of a Generate call each: ``all``; ``routed`` = only the addresses the router names,
+    while the configured ``--workers`` get calls (for a proxy such as an Envoy egress that balances per call over
+    several workers, where one stream would stay on one of them); ``off``."""
     lora_load_on_demand: bool = option(False, aliases=("EMBEDMESH_LORA_LOAD_ON_DEMAND",))
     """A request naming a LoRA adapter that no healthy worker holds (but one held since start) loads it on the
     least-loaded worker of its model first; off: such a request is refused."""

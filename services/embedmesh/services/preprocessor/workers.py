@@ -70,11 +70,14 @@ class WorkerPool:
     """Watches each worker's grpc.health.v1 status and keeps its GetInfo."""
 
     def __init__(self, addresses: tuple[str, ...], max_message_bytes: int, *,
-                 lora_load_on_demand: bool = False, worker_streams: bool = True) -> None:
+                 lora_load_on_demand: bool = False, worker_streams: str = "all") -> None:
         self.workers: list[WorkerHandle] = []
         self._max_message_bytes = max_message_bytes
+        if worker_streams not in ("all", "routed", "off"):
+            raise ValueError(f"worker_streams must be all, routed or off, got {worker_streams!r}")
         self.worker_streams = worker_streams
-        """Small generations share one GenerateMany stream per worker; False = a Generate call each."""
+        """Which workers' small generations share one GenerateMany stream: all, routed (only addresses the router
+        named; configured addresses get a Generate call each), off."""
         self.lora_load_on_demand = lora_load_on_demand
         """A request naming a known adapter that no healthy worker holds loads it on one (``ensure_adapter``)."""
         self.catalog: dict[str, tuple[str, str]] = {}
@@ -88,10 +91,10 @@ class WorkerPool:
         self.created: dict[str, int] = {}
         self._started = False
 
-    def _add(self, address: str) -> WorkerHandle:
+    def _add(self, address: str, routed: bool = False) -> WorkerHandle:
         channel = insecure_channel(address, self._max_message_bytes)
         handle = WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel))
-        if self.worker_streams:
+        if self.worker_streams == "all" or (self.worker_streams == "routed" and routed):
             handle.stream = WorkerStream(address, self._max_message_bytes, handle.generate_call)
         self.workers.append(handle)
         return handle
@@ -106,7 +109,7 @@ class WorkerPool:
         for w in self.workers:
             if w.address == address:
                 return w
-        handle = self._add(address)
+        handle = self._add(address, routed=True)
         handle.seen_serving = True  # routed to by the router: it registered, so it served
         handle.healthy = True
         if self._started:

@@ -268,9 +268,18 @@ def test_the_pool_sends_small_requests_on_the_stream_and_large_ones_as_calls() -
             await _text(small)
             assert await _text(large) == ("xxx", common_pb2.FINISH_REASON_LENGTH)
             assert servicer.many.open_streams() == 1
-            off = WorkerPool((server.address,), 64 << 20, worker_streams=False)
+            off = WorkerPool((server.address,), 64 << 20, worker_streams="off")
             assert type(off.workers[0].generate_raw(_body("o"))).__name__ != "Generation"
             await off.close()
+            # "routed": a configured address (a proxy balancing per call) gets calls, an address the router
+            # named (one worker) gets the stream.
+            routed = WorkerPool((server.address,), 64 << 20, worker_streams="routed")
+            assert type(routed.workers[0].generate_raw(_body("p"))).__name__ != "Generation"
+            named = routed.handle_for("127.0.0.1:1")
+            assert named.stream is not None and routed.workers[0].stream is None
+            await routed.close()
+            with pytest.raises(ValueError, match="all, routed or off"):
+                WorkerPool((server.address,), 64 << 20, worker_streams="yes")
         finally:
             await pool.close()
             await server._server.stop(0)
