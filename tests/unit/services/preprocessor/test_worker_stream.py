@@ -343,3 +343,26 @@ def test_the_stream_carries_the_mesh_token_and_a_stream_without_it_is_refused() 
             tls.configure(tls.Security())
 
     asyncio.run(run())
+
+
+def test_bytes_that_are_not_frames_end_the_stream_with_invalid_argument() -> None:
+    async def run() -> None:
+        servicer, server = await _worker()
+        channel = grpc.aio.insecure_channel(server.address)
+        try:
+            call = channel.stream_stream("/embedmesh.worker.v1.WorkerService/GenerateMany", request_serializer=None,
+                                         response_deserializer=None)(iter([b"\xff\xff\xff\xff"]))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [m async for m in call]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            err = from_rpc_error(info.value)
+            assert err.field == "request" and err.reason == "MALFORMED_MESSAGE"
+            # The worker goes on serving.
+            stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+            assert await _text(stream.generate(_body("ok", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
+            await stream.close()
+        finally:
+            await channel.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
