@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["bench_fastpath.py", "bench_mesh.py", "bench_encoder_cache.py", "bench_router.py", "bench_clients.py",
+SCRIPTS = ["bench_fastpath.py", "bench_cpu.py", "bench_mesh.py", "bench_encoder_cache.py", "bench_router.py",
+           "bench_clients.py",
            "bench_embeddings.py", "bench_vector_store.py",
            "bench_vector_search_e2e.py", "bench_vllm.py", "overload.py", "bench_openai_surface.py",
            "bench_structured.py", "bench_lora.py"]

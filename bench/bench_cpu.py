@@ -1,0 +1,149 @@
+"""CPU per request, process by process (issue #18): where a tiny gRPC completion's cost goes, beside a bare grpc.aio
+unary hop measured the same way in the same run.
+
+Each figure is the CPU time (user + system, from ``/proc/<pid>/stat``) a process spent over N sequential requests,
+divided by N, after a warm-up; the load generator's own CPU is measured too. Meshes (echo engine, so no model
+time): the router as its own service, the router in the preprocessor (``--embedded-router``), and each again with
+``--worker-streams off`` (a Generate call per request instead of a frame on the worker's GenerateMany stream) and with
+``EMBEDMESH_EVENT_LOOP=asyncio`` (the standard loop instead of uvloop). The limit: the bare grpc.aio unary server of
+``bench_fastpath.py`` (L1), one hop.
+
+    python bench/bench_cpu.py [--quick] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_fastpath import BARE_SERVICE, BENCH_ENV, BareServer  # noqa: E402
+
+from tests.support.mesh import start_mesh  # noqa: E402
+
+SERVICES = {"gateway": "embedmesh.gateway", "preprocessor": "embedmesh.services.preprocessor.main",
+            "router": "embedmesh.services.router.main", "worker": "embedmesh.services.worker.main"}
+ORDER = ("preprocessor", "router", "worker")
+
+STREAMS_OFF = {"EMBEDMESH_PREPROCESSOR_WORKER_STREAMS": "off"}
+VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("router service", [], {}),
+    ("router service, worker streams off", [], STREAMS_OFF),
+    ("router in the preprocessor", ["--embedded-router"], {}),
+    ("router in the preprocessor, worker streams off", ["--embedded-router"], STREAMS_OFF),
+    ("router in the preprocessor, asyncio loop", ["--embedded-router"], {"EMBEDMESH_EVENT_LOOP": "asyncio"}),
+]
+"""(label, launcher arguments, environment of the mesh's processes)."""
+
+
+def cpu_seconds(pid: int | str) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_pids(launcher: int) -> dict[str, str]:
+    out = {}
+    for pid in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split():
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        for name, module in SERVICES.items():
+            if module in cmd:
+                out[name] = pid
+    return out
+
+
+async def measure(call: Any, n: int, pids: dict[str, Any]) -> dict[str, float]:
+    for _ in range(min(300, n)):
+        await call()
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    me = time.process_time()
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        await call()
+        lat.append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0
+    out = {k: (cpu_seconds(p) - before[k]) / n * 1e3 for k, p in pids.items()}
+    out["client"] = (time.process_time() - me) / n * 1e3
+    out["p50_ms"] = statistics.median(lat) * 1e3
+    out["mean_ms"] = wall / n * 1e3
+    return out
+
+
+async def _mesh_run(address: str, request: Any, n: int, pids: dict[str, str]) -> dict[str, float]:
+    import grpc
+
+    from embedmesh.inference.v1 import inference_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        return await measure(lambda: stub.Complete(request), n, pids)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--requests", type=int, default=0)
+    a = p.parse_args()
+    n = a.requests or (1500 if a.quick else 4000)
+    os.environ.update(BENCH_ENV)
+    import grpc
+
+    from embedmesh.inference.v1 import inference_pb2
+
+    params = inference_pb2.CompletionParams(model="echo", prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
+    params.sampling.max_tokens = 1
+    request = inference_pb2.CompleteRequest(params=params)
+    small = inference_pb2.CompleteResponse(id="cmpl-0", model="echo",
+                                           choices=[inference_pb2.Choice(index=0, text="x")]).SerializeToString()
+    print(f"CPU per request, ms (user + system over {n} sequential requests after a warm-up; 2 cores; prompt "
+          "[1,2,3], max_tokens=1, echo engine)", flush=True)
+    rows: list[tuple[str, dict[str, float]]] = []
+
+    bare = BareServer("grpc", dict(os.environ))
+    try:
+        bare.wait_ready()
+
+        async def bare_run() -> dict[str, float]:
+            async with grpc.aio.insecure_channel(bare.address) as ch:
+                hop = ch.unary_unary(BARE_SERVICE + "Unary")
+                return await measure(lambda: hop(small), n, {"server": bare.proc.pid})
+
+        rows.append(("L1 bare grpc.aio unary hop", asyncio.run(bare_run())))
+    finally:
+        bare.stop()
+
+    for label, args, env in VARIANTS:
+        mesh = start_mesh(engine="echo", workers=1, extra_args=args, env=env)
+        try:
+            pids = {k: v for k, v in service_pids(mesh.proc.pid).items() if k in ORDER}
+
+            rows.append((f"mesh gRPC, {label}", asyncio.run(_mesh_run(mesh.preprocessor, request, n, pids))))
+        finally:
+            mesh.stop()
+
+    cols = ["server", *ORDER, "client"]
+    print(f"\n  {'path':<58}" + "".join(f"{c:>13}" for c in cols) + f"{'sum':>9}{'p50 ms':>9}")
+    bare_sum = sum(v for k, v in rows[0][1].items() if k in cols)
+    for label, fig in rows:
+        total = sum(v for k, v in fig.items() if k in cols)
+        print(f"  {label:<58}" + "".join(f"{fig[c]:>13.3f}" if c in fig else f"{'':>13}" for c in cols)
+              + f"{total:>9.3f}{fig['p50_ms']:>9.3f}")
+    ratios = [f"{label.removeprefix('mesh gRPC, ')} x{sum(v for k, v in fig.items() if k in cols) / bare_sum:.2f}"
+              for label, fig in rows[1:]]
+    print("\n  the mesh's CPU per request over a bare hop's (both with their load generator): " + ", ".join(ratios))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
