@@ -43,6 +43,7 @@ __all__ = [
     "to_status",
     "from_rpc_error",
     "to_status_message",
+    "rpc_error",
     "rpc_error_from_status",
 ]
 
@@ -162,13 +163,17 @@ def to_status_message(err: EmbedmeshError) -> common_pb2.RpcStatus:
     return common_pb2.RpcStatus(code=err.code.value[0], message=err.message, status_details=details)
 
 
+def rpc_error(code: grpc.StatusCode, message: str, details: bytes = b"") -> grpc.aio.AioRpcError:
+    """The ``AioRpcError`` a call ending with ``code``/``message`` raises (``details``: a serialized
+    ``google.rpc.Status`` in the trailing metadata), for failures a multiplexed stream reports without a call."""
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", details)) if details else grpc.aio.Metadata()
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=message)
+
+
 def rpc_error_from_status(status: common_pb2.RpcStatus) -> grpc.aio.AioRpcError:
     """The ``AioRpcError`` a call ending with ``status`` raises (its details in the trailing metadata), so callers
     handle a request of a multiplexed stream exactly as a call (``from_rpc_error`` reads field and reason)."""
-    trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.status_details)) if status.status_details \
-        else grpc.aio.Metadata()
-    return grpc.aio.AioRpcError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), grpc.aio.Metadata(), trailing,
-                                details=status.message)
+    return rpc_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, status.status_details)
 
 
 def _status_details(e: grpc.RpcError) -> status_pb2.Status | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from embedmesh.core.errors import rpc_error
 from embedmesh.core.wire import varint
 
 __all__ = ["MuxSession", "entry"]
@@ -57,8 +58,8 @@ class MuxSession:
             call = open_call()
         except Exception as e:  # noqa: BLE001 - e.g. the channel is closed: every request on it fails, none hangs
             self.closed = True
-            self._on_end(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                              details=f"the stream could not be opened ({type(e).__name__})"))
+            self._on_end(rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                   f"the stream could not be opened ({type(e).__name__})"))
             return
         reader = asyncio.ensure_future(self._read(call))
         try:
@@ -86,8 +87,7 @@ class MuxSession:
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
-            error = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                         details="the stream was closed")
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed")
             raise
         finally:
             self.closed = True

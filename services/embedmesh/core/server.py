@@ -46,7 +46,7 @@ from embedmesh.core.telemetry import (
 __all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
            "run_service", "EVENT_LOOPS",
            "metadata_interceptors",
-           "ErrorInterceptor", "wrap_handler", "Observed", "unexpected_error",
+           "wrap_handler", "Observed", "unexpected_error",
            "LIVENESS", "Access"]
 
 LIVENESS = "embedmesh.Liveness"
@@ -138,6 +138,12 @@ def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token
     if sec.mesh_token and mesh_token:
         token = [(tls.MESH_TOKEN_HEADER, sec.mesh_token)]
         interceptors.extend(metadata_interceptors(lambda: token, frozenset({tls.MESH_TOKEN_HEADER})))
+    return _open_channel(sec, address, max_message_bytes, interceptors)
+
+
+def _open_channel(sec: tls.Security, address: str, max_message_bytes: int,
+                  interceptors: list[Any] | None) -> grpc.aio.Channel:
+    """TLS with this service's certificate when the process has TLS configured, plaintext otherwise."""
     creds = sec.channel_credentials()
     if creds is not None:
         return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes),
@@ -185,10 +191,7 @@ def plain_mesh_channel(address: str, max_message_bytes: int = 512 * MiB
     calls carry no trace context of their own (put it in the messages)."""
     sec = tls.current()
     metadata = ((tls.MESH_TOKEN_HEADER, sec.mesh_token),) if sec.mesh_token else ()
-    creds = sec.channel_credentials()
-    if creds is not None:
-        return grpc.aio.secure_channel(address, creds, options=channel_options(max_message_bytes)), metadata
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)), metadata
+    return _open_channel(sec, address, max_message_bytes, None), metadata
 
 
 insecure_channel = mesh_channel
@@ -229,6 +232,13 @@ class Observed:
         self.code = code
         self.span.set_attribute("rpc.grpc.status_code", code)
         self.span.set_status(trace.Status(trace.StatusCode.ERROR, code))
+
+    def failed(self, exc: Exception) -> EmbedmeshError:
+        """The error this RPC ends with because of ``exc``, marked on its span and metrics: a domain error as it is,
+        anything else INTERNAL with an incident id (``unexpected_error``)."""
+        err = exc if isinstance(exc, EmbedmeshError) else unexpected_error(exc, self.full)
+        self.fail(err.code.name)
+        return err
 
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is not None and issubclass(exc[0], asyncio.CancelledError | GeneratorExit):
@@ -338,14 +348,10 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
             try:
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
                 return await fn(request, context)
-            except EmbedmeshError as e:
-                obs.fail(e.code.name)
-                await _abort(context, e)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
-            except Exception as e:  # noqa: BLE001 - the one place unexpected errors become INTERNAL
-                obs.fail("INTERNAL")
-                await _abort(context, unexpected_error(e, method))
+            except Exception as e:  # noqa: BLE001 - domain errors keep their status; anything else is INTERNAL
+                await _abort(context, obs.failed(e))
             finally:
                 for p in owed:
                     auth.limiter().release(p)
@@ -365,14 +371,10 @@ def _wrap_stream(
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
                 async for item in fn(request, context):
                     yield item
-            except EmbedmeshError as e:
-                obs.fail(e.code.name)
-                await _abort(context, e)
             except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as e:  # noqa: BLE001
-                obs.fail("INTERNAL")
-                await _abort(context, unexpected_error(e, method))
+                await _abort(context, obs.failed(e))
             finally:
                 for p in owed:
                     auth.limiter().release(p)
@@ -409,30 +411,6 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
             return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(fn, method, authz, streaming_in=True), **kw)
     return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """``wrap_handler`` as a server interceptor, for grpc.aio servers not built by ``Server`` (which wraps each
-    method once when it is added instead: an interceptor runs for every call, ~0.1 ms each here)."""
-
-    def __init__(self, access_for: Callable[[str], Access] | None = None, require_client_cert: bool = False) -> None:
-        self._access_for = access_for
-        self._require_client_cert = require_client_cert
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        # Health and reflection handle their own errors and are not traced (probes would drown the traces).
-        if method.startswith("/grpc.health") or method.startswith("/grpc.reflection"):
-            return handler
-        access = self._access_for(method) if self._access_for else None
-        return wrap_handler(handler, method, access, self._require_client_cert)
 
 
 class _Registrar:

@@ -28,11 +28,10 @@ from typing import Any
 import grpc
 from opentelemetry import propagate
 
-from embedmesh.core.errors import Unavailable, rpc_error_from_status, to_status_message
+from embedmesh.core.errors import Unavailable, rpc_error, rpc_error_from_status, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.mux import MuxSession, entry
 from embedmesh.core.server import plain_mesh_channel
-from embedmesh.core.wire import varint
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["WorkerStream", "Generation", "MAX_STREAM_BODY"]
@@ -47,7 +46,7 @@ stream they would hold up every other generation while they are written, and the
 uncopied (``core.wire``)."""
 
 _FRAMES = worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number
-_GENERATE_KEY = varint((worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number << 3) | 2)
+_GENERATE = worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number
 
 _ENDED = rpc_error_from_status(to_status_message(Unavailable(
     "the worker ended its generation stream (it is shutting down); retry on another worker",
@@ -55,8 +54,7 @@ _ENDED = rpc_error_from_status(to_status_message(Unavailable(
 """What a generation still on a stream the worker ended cleanly fails with: a frame sent as the worker ended its
 stream; the worker is draining, so the pipeline retries it elsewhere without counting the worker as lost."""
 
-_CANCELLED = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                  details="cancelled")
+_CANCELLED = rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
 
 
 class Generation:
@@ -195,7 +193,7 @@ class WorkerStream:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         head = worker_pb2.GenerateFrame(id=gid, trace_context=carrier).SerializeToString()
-        session.send(head + _GENERATE_KEY + varint(len(body)) + body)
+        session.send(head + entry(_GENERATE, body))  # the frame's generate field: the request bytes as they are
         return generation
 
     async def close(self) -> None:

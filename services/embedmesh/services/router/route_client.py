@@ -24,7 +24,7 @@ from typing import Protocol
 import grpc
 from opentelemetry import propagate
 
-from embedmesh.core.errors import Unavailable, from_rpc_error, rpc_error_from_status, to_status_message
+from embedmesh.core.errors import Unavailable, from_rpc_error, rpc_error, rpc_error_from_status, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.mux import MuxSession, entry
 from embedmesh.core.server import insecure_channel, plain_mesh_channel
@@ -82,11 +82,6 @@ _ENDED = rpc_error_from_status(to_status_message(Unavailable(
     "the router ended its RouteMany stream (it is shutting down)", reason="ROUTER_DRAINING")))
 
 
-def _deadline(timeout: float) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                details=f"the router did not answer within {timeout:g} s")
-
-
 class _RouteStream:
     """Route questions to one replica over its RouteMany stream (opened on first use, re-opened after it ended);
     ``Route`` calls once the replica answered UNIMPLEMENTED."""
@@ -118,7 +113,8 @@ class _RouteStream:
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise _deadline(timeout) from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the router did not answer within {timeout:g} s") from None
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self.supported:
                 return await self._stub.Route(request, timeout=timeout)

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from embedmesh.core.errors import EmbedmeshError, InvalidArgument, to_status_message
+from embedmesh.core.errors import InvalidArgument, to_status_message
 from embedmesh.core.logs import get_logger
-from embedmesh.core.server import Observed, unexpected_error
+from embedmesh.core.server import Observed
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.services.router.metrics import DROPS, EVENTS, INDEX_BLOCKS, RESYNCS, WORKERS
 from embedmesh.services.router.policy import KvRouter
@@ -208,13 +208,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     raise InvalidArgument(f"question {question.id}: request is required", field="request",
                                           reason="REQUIRED")
                 return router_pb2.RouteAnswer(id=question.id, response=self._route(question.request))
-            except EmbedmeshError as e:
-                obs.fail(e.code.name)
-                return router_pb2.RouteAnswer(id=question.id, error=to_status_message(e))
-            except Exception as e:  # noqa: BLE001 - as the interceptor does for a call: INTERNAL + incident
-                obs.fail("INTERNAL")
-                return router_pb2.RouteAnswer(id=question.id,
-                                              error=to_status_message(unexpected_error(e, ROUTE_METHOD)))
+            except Exception as e:  # noqa: BLE001 - as for a call: its status, or INTERNAL with an incident
+                return router_pb2.RouteAnswer(id=question.id, error=to_status_message(obs.failed(e)))
 
     def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         d = self.router.route(request.model, request.block_hashes, request.block_size, request.prompt_tokens,

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status_message
 from embedmesh.core.logs import get_logger
-from embedmesh.core.server import Observed, unexpected_error
+from embedmesh.core.server import Observed
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["GENERATE_METHOD", "ManyStreams", "error_result"]
@@ -141,12 +141,8 @@ class _Stream:
                         if not self.space.is_set():
                             await self.space.wait()
                     self.emit(worker_pb2.GenerateResult(id=gid, end=_END))
-                except EmbedmeshError as e:
-                    obs.fail(e.code.name)
-                    self.emit(error_result(gid, e))
-                except Exception as e:  # noqa: BLE001 - as the interceptor does for a call: INTERNAL + incident
-                    obs.fail("INTERNAL")
-                    self.emit(error_result(gid, unexpected_error(e, GENERATE_METHOD)))
+                except Exception as e:  # noqa: BLE001 - as for a call: its status, or INTERNAL with an incident
+                    self.emit(error_result(gid, obs.failed(e)))
         finally:
             self.running.pop(gid, None)
             self.wake.set()
