@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,11 +27,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_fastpath import BARE_SERVICE, BENCH_ENV, BareServer  # noqa: E402
+from flamegraphs import service_pids  # noqa: E402
 
 from tests.support.mesh import start_mesh  # noqa: E402
 
-SERVICES = {"gateway": "embedmesh.gateway", "preprocessor": "embedmesh.services.preprocessor.main",
-            "router": "embedmesh.services.router.main", "worker": "embedmesh.services.worker.main"}
 ORDER = ("preprocessor", "router", "worker")
 
 STREAMS_OFF = {"EMBEDMESH_PREPROCESSOR_WORKER_STREAMS": "off"}
@@ -49,16 +47,6 @@ VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
 def cpu_seconds(pid: int | str) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def service_pids(launcher: int) -> dict[str, str]:
-    out = {}
-    for pid in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split():
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        for name, module in SERVICES.items():
-            if module in cmd:
-                out[name] = pid
-    return out
 
 
 async def measure(call: Any, n: int, pids: dict[str, Any]) -> dict[str, float]:

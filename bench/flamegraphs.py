@@ -27,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.support.mesh import start_mesh  # noqa: E402
 
 SERVICES = {"gateway": "embedmesh.gateway", "preprocessor": "embedmesh.services.preprocessor.main",
-            "worker": "embedmesh.services.worker.main"}
+            "router": "embedmesh.services.router.main", "worker": "embedmesh.services.worker.main"}
 WHO = {"rest": ("gateway", "preprocessor", "worker"), "ingest": ("preprocessor", "worker"),
        "stream": ("preprocessor", "worker")}
 
 
-def _pids(launcher: int) -> dict[str, str]:
+def service_pids(launcher: int) -> dict[str, str]:
+    """The launcher's service processes by name (pid as text)."""
     out = {}
     for pid in subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split():
         cmd = Path(f"/proc/{pid}/cmdline").read_text()
@@ -117,7 +118,7 @@ def main() -> int:
     mesh = start_mesh(engine="echo", extra_args=["--embed-worker-port", "0", "--vector-store-port", "0"],
                       env={"EMBEDMESH_TRACE_CONSOLE": "0"})
     try:
-        pids = _pids(mesh.proc.pid)
+        pids = service_pids(mesh.proc.pid)
         for load in a.only.split(","):
             asyncio.run(LOADS[load](mesh, time.monotonic() + 1.0))  # warm up
             spies = [subprocess.Popen([spy, "record", "-p", pids[who], "-o", str(out / f"{load}-{who}-{a.tag}.svg"),

@@ -22,27 +22,11 @@ from embedmesh.services.preprocessor.pipeline import _one
 from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.worker import many
-from embedmesh.services.worker.engines.echo.engine import EchoEngine
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.engines import SlowEcho
 
 SERVICE = "embedmesh.worker.v1.WorkerService"
-
-
-class _SlowEcho(EchoEngine):
-    def __init__(self, delay: float = 0.0) -> None:
-        super().__init__("m", hidden_size=4)
-        self.delay = delay
-        self.closed: list[str] = []
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        try:
-            async for delta in super().generate(request):
-                if self.delay:
-                    await asyncio.sleep(self.delay)
-                yield delta
-        finally:
-            self.closed.append(request.request_id)
 
 
 def _body(request_id: str, max_tokens: int = 3) -> bytes:
@@ -61,7 +45,7 @@ async def _serve(servicer: Any) -> Server:
 
 
 async def _worker(delay: float = 0.0) -> tuple[WorkerServicer, Server]:
-    servicer = WorkerServicer(_SlowEcho(delay), "w-1")
+    servicer = WorkerServicer(SlowEcho(delay), "w-1")
     await servicer.engine.start()
     return servicer, await _serve(servicer)
 
@@ -131,7 +115,7 @@ def test_cancel_aborts_the_generation_in_the_engine() -> None:
             await generation.__anext__()
             assert generation.cancel() is True
             engine = servicer.engine
-            assert isinstance(engine, _SlowEcho)
+            assert isinstance(engine, SlowEcho)
             async with asyncio.timeout(5):
                 while "long" not in engine.closed:
                     await asyncio.sleep(0.01)

@@ -17,6 +17,7 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.services.worker.engines.echo.engine import EchoEngine
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2
+from tests.support.engines import SlowEcho
 
 pytestmark = pytest.mark.asyncio
 
@@ -86,23 +87,6 @@ def _details(err: common_pb2.RpcStatus) -> tuple[str, str]:
     return info.reason, info.metadata.get("field", "")
 
 
-class _SlowEcho(EchoEngine):
-    """Echo that emits one token per ``delay`` seconds and records aborts."""
-
-    def __init__(self, delay: float = 0.01) -> None:
-        super().__init__("m", hidden_size=4)
-        self.delay = delay
-        self.closed: list[str] = []
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        try:
-            async for delta in super().generate(request):
-                await asyncio.sleep(self.delay)
-                yield delta
-        finally:
-            self.closed.append(request.request_id)
-
-
 async def _served(engine: EchoEngine | None = None) -> tuple[WorkerServicer, _Frames, _Collector]:
     servicer = WorkerServicer(engine or EchoEngine("m", hidden_size=4), "w-1")
     await servicer.engine.start()
@@ -155,7 +139,7 @@ async def test_frames_that_break_the_rules_get_an_error_naming_the_field(
 
 
 async def test_a_second_start_of_a_running_id_is_refused_and_the_first_goes_on() -> None:
-    engine = _SlowEcho(0.02)
+    engine = SlowEcho(0.02)
     _, frames, out = await _served(engine)
     frames.put(_start(3, _gen("first", 500)))
     await out.until(lambda: 3 in out.by_id)
@@ -172,7 +156,7 @@ async def test_a_second_start_of_a_running_id_is_refused_and_the_first_goes_on()
 
 
 async def test_cancel_aborts_one_generation_in_the_engine_and_nothing_more_of_it_comes() -> None:
-    engine = _SlowEcho(0.02)
+    engine = SlowEcho(0.02)
     _, frames, out = await _served(engine)
     frames.put(worker_pb2.GenerateManyRequest(frames=[worker_pb2.GenerateFrame(id=1, generate=_gen("long", 200)),
                                                  worker_pb2.GenerateFrame(id=2, generate=_gen("short", 3))]))
@@ -190,7 +174,7 @@ async def test_cancel_aborts_one_generation_in_the_engine_and_nothing_more_of_it
 
 
 async def test_running_generations_finish_after_the_caller_ends_its_stream() -> None:
-    engine = _SlowEcho(0.01)
+    engine = SlowEcho(0.01)
     _, frames, out = await _served(engine)
     frames.put(_start(1, _gen("a", 10)))
     frames.end()
@@ -199,7 +183,7 @@ async def test_running_generations_finish_after_the_caller_ends_its_stream() -> 
 
 
 async def test_a_drain_refuses_new_generations_and_ends_the_stream_once_running_ones_are_done() -> None:
-    engine = _SlowEcho(0.01)
+    engine = SlowEcho(0.01)
     servicer, frames, out = await _served(engine)
     frames.put(_start(1, _gen("a", 15)))
     await out.until(lambda: 1 in out.by_id)
