@@ -20,6 +20,7 @@ from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
+from embedmesh.services.preprocessor.config import WORKER_STREAMS
 from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -73,8 +74,9 @@ class WorkerPool:
                  lora_load_on_demand: bool = False, worker_streams: str = "all") -> None:
         self.workers: list[WorkerHandle] = []
         self._max_message_bytes = max_message_bytes
-        if worker_streams not in ("all", "routed", "off"):
-            raise ValueError(f"worker_streams must be all, routed or off, got {worker_streams!r}")
+        if worker_streams not in WORKER_STREAMS:
+            raise ValueError(f"worker_streams must be {', '.join(WORKER_STREAMS[:-1])} or {WORKER_STREAMS[-1]}, got "
+                             f"{worker_streams!r}")
         self.worker_streams = worker_streams
         """Which workers' small generations share one GenerateMany stream: all, routed (only addresses the router
         named; configured addresses get a Generate call each), off."""
