@@ -19,7 +19,7 @@ field path). It handles only the plain shape of the message and leaves anything 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,7 +30,8 @@ from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
-           "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS"]
+           "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
+           "chunk_messages", "RowsPiece", "parse_generate_chunk"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -86,6 +87,37 @@ def generate_request_bytes(header: worker_pb2.GenerateRequest, pieces: Sequence[
     for piece in pieces:
         parts.extend(segment_parts(piece, dtype))
     return b"".join(parts)
+
+
+def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int) -> tuple[bytes, list[memoryview]]:
+    """One ``GenerateRequest.segments`` entry per piece as wire bytes, each embeds tensor with its dtype and shape
+    but without ``data``; and those tensors' rows, in order, as views (``WorkerService.GenerateChunks`` sends them
+    after the request)."""
+    parts: list[bytes | memoryview] = []
+    rows: list[memoryview] = []
+    for piece in pieces:
+        if isinstance(piece, tuple):
+            parts.extend(segment_parts(piece, dtype))
+            continue
+        rows.append(_rows_view(piece, dtype))
+        head = tensor_pb2.Tensor(dtype=dtype, shape=list(piece.shape)).SerializeToString()  # type: ignore[arg-type]
+        embeds = _key(_EMBEDS) + varint(len(head)) + head
+        parts.append(_key(_SEGMENTS) + varint(len(embeds)) + embeds)
+    return b"".join(parts), rows
+
+
+_CHUNK_REQUEST = _key(worker_pb2.GenerateChunk.DESCRIPTOR.fields_by_name["request"].number)
+_CHUNK_ROWS = _key(worker_pb2.GenerateChunk.DESCRIPTOR.fields_by_name["rows"].number)
+
+
+def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Iterator[bytes]:
+    """A GenerateChunks stream as message bytes: the request (serialized, see ``chunked_segments``), then the rows
+    in pieces of ``size`` bytes. Each piece is copied once, when it is about to be sent (still in cache)."""
+    yield _CHUNK_REQUEST + varint(len(request)) + request
+    for view in rows:
+        for start in range(0, len(view), size):
+            piece = view[start:start + size]
+            yield b"".join((_CHUNK_ROWS, varint(len(piece)), piece))
 
 
 # --- receiving: tensor bytes as views of the request bytes ----------------------------------------------------
@@ -288,8 +320,30 @@ parse_generate_request = _parser(worker_pb2.GenerateRequest, split_generate_requ
 _ZERO_COPY_MIN = 4096
 """Below this size the ordinary parser is as fast (the scan is Python)."""
 
+class RowsPiece(NamedTuple):
+    """A GenerateChunks message holding only ``rows``: the bytes as a view of the received buffer."""
+
+    data: memoryview
+
+
+def parse_generate_chunk(raw: bytes) -> RowsPiece | worker_pb2.GenerateChunk:
+    """``WorkerService.GenerateChunks``' request deserializer: a message that is exactly one ``rows`` field becomes a
+    ``RowsPiece`` (protobuf would copy the bytes twice: into its arena, then into a new ``bytes`` when the field is
+    read); anything else is parsed by protobuf (which words its errors)."""
+    if len(raw) >= _ZERO_COPY_MIN and raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
+        buf = memoryview(raw)
+        try:
+            n, pos = _read_varint(buf, len(_CHUNK_ROWS), len(buf))
+        except _Malformed:
+            n, pos = -1, 0
+        if pos + n == len(buf):
+            return RowsPiece(buf[pos:])
+    return worker_pb2.GenerateChunk.FromString(raw)
+
+
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
+    "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
     "/embedmesh.inference.v1.InferenceService/Complete": _parser(
         inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
     "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(

@@ -36,6 +36,7 @@ from embedmesh.services.preprocessor.metrics import (
 )
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
+from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN, ChunkedBody
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
 from embedmesh.services.router.route_client import Routes
 from embedmesh.worker.v1 import worker_pb2
@@ -99,8 +100,13 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
     """Yield deltas as workers produce them, then one Usage."""
     out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException] = asyncio.Queue()
     tasks: list[asyncio.Task[None]] = []
-    segments = [_segments(p, job.model_dtype) for p in job.prompts]
-    for p_index, segment in enumerate(segments):
+    for p_index, prompt in enumerate(job.prompts):
+        rows_bytes = sum(piece.nbytes for piece in prompt.pieces if not isinstance(piece, tuple))
+        if rows_bytes >= CHUNKED_MIN:  # the rows follow the request in pieces (``worker_chunks.py``)
+            head, rows = wire.chunked_segments(prompt.pieces, job.model_dtype)
+            segment: list[bytes | memoryview] = []
+        else:
+            segment = _segments(prompt, job.model_dtype)
         hashes = adapter_block_hashes(block_hashes(job.prompts[p_index].pieces, router.block_size), job.adapter) \
             if router else []
         for i in range(job.n):
@@ -113,7 +119,8 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
                 sampling=sampling_to_proto(sampling),
                 lora_adapter=job.adapter,
             )
-            body = b"".join([req.SerializeToString(), *segment])
+            body: bytes | ChunkedBody = ChunkedBody(req.SerializeToString() + head, tuple(rows)) \
+                if rows_bytes >= CHUNKED_MIN else b"".join([req.SerializeToString(), *segment])
             pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
                            job.adapter)
             tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter,
@@ -222,7 +229,7 @@ async def _one(
     model: str = "",
     adapter: str = "",
     *,
-    body: bytes | None = None,
+    body: bytes | ChunkedBody | None = None,
 ) -> None:
     """Stream one sequence from a worker into ``out`` (``body``: ``req`` with its segments, already serialized;
     without it ``req`` is sent as it is). A worker that fails, refuses or aborts the sequence before

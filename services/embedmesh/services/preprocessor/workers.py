@@ -21,6 +21,7 @@ from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.services.preprocessor.config import WORKER_STREAMS
+from embedmesh.services.preprocessor.worker_chunks import ChunkedBody, ChunkedCall
 from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -49,14 +50,27 @@ class WorkerHandle:
     _generate_raw: Any = field(default=None, repr=False)
     stream: WorkerStream | None = field(default=None, repr=False)
     """The GenerateMany stream small requests share (``worker_stream.py``); None = a Generate call each."""
+    chunks_supported: bool = True
+    """False once the worker answered that it has no GenerateChunks (``worker_chunks.py``)."""
+    _chunks_raw: Any = field(default=None, repr=False)
 
-    def generate_raw(self, body: bytes) -> Any:
-        """One generation of request bytes already serialized (``core.wire``), iterated like a Generate call:
-        on the worker's shared GenerateMany stream when ``body`` is small, else as its own Generate call (the
-        tensor rows are not copied again by protobuf on the way out)."""
+    def generate_raw(self, body: bytes | ChunkedBody) -> Any:
+        """One generation of a request already serialized (``core.wire``), iterated like a Generate call: a
+        ``ChunkedBody`` (big rows) as a GenerateChunks stream; bytes on the worker's shared GenerateMany stream when
+        small, else as its own Generate call (the tensor rows are not copied again by protobuf on the way out)."""
+        if isinstance(body, ChunkedBody):
+            return ChunkedCall(self, body)
         if self.stream is not None and len(body) <= MAX_STREAM_BODY:
             return self.stream.generate(body)
         return self.generate_call(body)
+
+    def chunks_call(self, body: ChunkedBody) -> Any:
+        """``WorkerService.GenerateChunks`` of ``body``."""
+        if self._chunks_raw is None:
+            self._chunks_raw = self.channel.stream_stream(
+                f"/{WORKER_SERVICE}/GenerateChunks", request_serializer=None,
+                response_deserializer=worker_pb2.GenerateResponse.FromString)
+        return self._chunks_raw(body.messages())
 
     def generate_call(self, body: bytes) -> Any:
         """``WorkerService.Generate`` of ``body``, as its own call."""

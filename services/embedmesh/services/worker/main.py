@@ -30,9 +30,11 @@ SERVICE_NAME = "embedmesh.worker.v1.WorkerService"
 async def serve(config: WorkerConfig) -> None:
     worker_id = f"{config.engine}-{uuid.uuid4().hex[:8]}"
     engine = build_engine(config)
-    server = Server("worker", ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port))
+    options = ServerOptions(host=config.host, port=config.port, metrics_port=config.metrics_port)
+    server = Server("worker", options)
     lora_root = Path(config.lora_root) if config.lora_root else None
-    servicer = WorkerServicer(engine, worker_id, lora_root, max_queue=config.max_queue)
+    servicer = WorkerServicer(engine, worker_id, lora_root, max_queue=config.max_queue,
+                              max_message_bytes=options.max_message_bytes)
     server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer, SERVICE_NAME)
     # New generations on open GenerateMany streams are refused once the drain starts; running ones finish.
     server.on_drain_start(servicer.many.start_drain)

@@ -11,6 +11,8 @@ import grpc
 from embedmesh.core import tensors
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
+from embedmesh.core.server import MiB
+from embedmesh.services.worker.chunks import assemble
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
@@ -24,8 +26,11 @@ log = get_logger(__name__)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: Engine, worker_id: str, lora_root: Path | None = None, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, worker_id: str, lora_root: Path | None = None, max_queue: int = 64,
+                 max_message_bytes: int = 512 * MiB) -> None:
         self.engine = engine
+        self.max_message_bytes = max_message_bytes
+        """The server's message size limit: also the most a GenerateChunks request's rows may add up to."""
         self.max_queue = max_queue
         """Sequences that may wait beyond a full batch; past them Generate is refused at once."""
         self.worker_id = worker_id
@@ -46,6 +51,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         token_text = self.engine.token_text if wants_text else None
         async for delta in coalesced(self.engine.generate(req)):
             yield delta_to_proto(delta, prompt_len, token_text)
+
+    async def GenerateChunks(  # noqa: N802
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateChunk], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        # The rows arrive in pieces (``chunks.py``); then the request is served exactly as a Generate call.
+        request, views = await assemble(request_iterator, self.max_message_bytes)
+        tensors.set_wire_views(views)
+        async for response in self.Generate(request, context):
+            yield response
 
     async def GenerateMany(  # noqa: N802
         self, request_iterator: AsyncIterator[worker_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext

@@ -1,0 +1,115 @@
+"""The preprocessor's side of ``WorkerService.GenerateChunks``: a prompt with many embedding rows goes to its worker
+as the request, then the rows in pieces (``worker/chunks.py`` has why and the stream's rules).
+
+A request whose rows add up to ``CHUNKED_MIN`` bytes or more is sent this way (``ChunkedBody``); smaller ones stay
+one Generate message (or a frame on the worker's GenerateMany stream). Each piece is copied once, just before gRPC
+sends it, instead of joining the whole request into one buffer first.
+
+A worker that does not know the method (UNIMPLEMENTED from gRPC itself: an older worker during a rolling upgrade)
+gets the request as one Generate call, and the handle remembers it when the UNIMPLEMENTED came back as such. So
+does a stream the worker ended before reading it all, which grpc.aio reports as its own INTERNAL (a failed write)
+instead of the worker's answer: the Generate call gets that answer (a refusal, a drain), which the pipeline handles
+as it handles any Generate call's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from embedmesh.core import wire
+from embedmesh.core.logs import get_logger
+from embedmesh.worker.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from embedmesh.services.preprocessor.workers import WorkerHandle
+
+__all__ = ["CHUNKED_MIN", "CHUNK_BYTES", "ChunkedBody", "ChunkedCall"]
+
+log = get_logger(__name__)
+
+CHUNKED_MIN = 1 << 20
+"""Rows of at least this many bytes go as a GenerateChunks stream."""
+
+CHUNK_BYTES = 1 << 20
+"""Bytes of rows per message (what the bench's bare client-streaming limit sends, too)."""
+
+
+@dataclass(frozen=True)
+class ChunkedBody:
+    """One generation's request without its rows (serialized, ``wire.chunked_segments``) and the rows."""
+
+    request: bytes
+    rows: tuple[memoryview, ...]
+
+    @property
+    def rows_bytes(self) -> int:
+        return sum(len(v) for v in self.rows)
+
+    def messages(self) -> Iterator[bytes]:
+        return wire.chunk_messages(self.request, self.rows, CHUNK_BYTES)
+
+    def joined(self) -> bytes:
+        """The same request as one Generate message (for a worker without GenerateChunks)."""
+        req = worker_pb2.GenerateRequest.FromString(self.request)
+        pieces = iter(self.rows)
+        for seg in req.segments:
+            if seg.WhichOneof("kind") == "embeds":
+                seg.embeds.data = bytes(next(pieces))
+        return req.SerializeToString()
+
+
+def _method_missing(e: grpc.aio.AioRpcError) -> bool:
+    """UNIMPLEMENTED from gRPC itself (no such method on the server), not an answer of the worker's own."""
+    trailing = e.trailing_metadata() or ()
+    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not any(
+        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+
+
+def _refused_while_writing(e: grpc.aio.AioRpcError) -> bool:
+    """grpc.aio's own INTERNAL for a write that failed because the call had already ended: the worker answered
+    before it read every piece (a refusal, a drain), and grpc.aio reports its failed write instead of that answer.
+    The same request as one Generate call gets the worker's own answer (which the pipeline then handles)."""
+    trailing = e.trailing_metadata() or ()
+    return e.code() == grpc.StatusCode.INTERNAL and not any(
+        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+
+
+class ChunkedCall:
+    """One generation sent as a GenerateChunks stream; iterated and cancelled like a Generate call."""
+
+    def __init__(self, handle: WorkerHandle, body: ChunkedBody) -> None:
+        self._handle = handle
+        self._body = body
+        self._fallen_back = not handle.chunks_supported
+        self._call: Any = handle.chunks_call(body) if handle.chunks_supported else handle.generate_call(body.joined())
+        self._responses: Any = None
+        self._received = False
+
+    def __aiter__(self) -> ChunkedCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        if self._responses is None:
+            self._responses = self._call.__aiter__()
+        try:
+            response = await self._responses.__anext__()
+        except grpc.aio.AioRpcError as e:
+            if self._received or self._fallen_back or not (_method_missing(e) or _refused_while_writing(e)):
+                raise
+            if _method_missing(e):
+                log.warning("worker does not serve GenerateChunks; sending big prompts as one Generate message",
+                            extra={"worker": self._handle.address})
+                self._handle.chunks_supported = False
+            self._fallen_back = True
+            self._call = self._handle.generate_call(self._body.joined())
+            self._responses = self._call.__aiter__()
+            response = await self._responses.__anext__()
+        self._received = True
+        return response
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())

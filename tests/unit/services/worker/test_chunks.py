@@ -1,0 +1,230 @@
+"""GenerateChunks on a real gRPC server (``worker/chunks.py``, ``core.wire.parse_generate_chunk``): rows split
+anywhere reach the engine exactly as sent, laid out aligned; the request is then served as a Generate call (its
+checks included); a stream that breaks a rule — no request first, a second request, too many or too few bytes, rows
+past the message limit, bytes that are not a message, no mesh token — ends with an error naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+
+from embedmesh.core import tls, wire
+from embedmesh.core.errors import from_rpc_error
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.services.worker.engines.base import EmbedsSegment, TokenSegment
+from embedmesh.services.worker.servicer import WorkerServicer
+from embedmesh.tensor.v1 import tensor_pb2
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.engines import SlowEcho
+
+SERVICE = "embedmesh.worker.v1.WorkerService"
+HIDDEN = 4
+FP32 = tensor_pb2.DATA_TYPE_FP32
+
+
+class _Seeing(SlowEcho):
+    """Echo that keeps every request it generates for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Any] = []
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        self.seen.append(request)
+        async for delta in super().generate(request):
+            yield delta
+
+
+async def _serve(max_message_bytes: int = 512 << 20) -> tuple[_Seeing, Server, grpc.aio.Channel]:
+    engine = _Seeing()
+    await engine.start()
+    server = Server("w", ServerOptions(port=0, grace_seconds=0))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+               WorkerServicer(engine, "w-1", max_message_bytes=max_message_bytes), SERVICE)
+    await server.start()
+    await server.set_serving(True)
+    return engine, server, grpc.aio.insecure_channel(server.address)
+
+
+def _raw_call(channel: grpc.aio.Channel, messages: list[bytes]) -> Any:
+    return channel.stream_stream(f"/{SERVICE}/GenerateChunks", request_serializer=None,
+                                 response_deserializer=worker_pb2.GenerateResponse.FromString)(iter(messages))
+
+
+def _request(*pieces: tuple[int, ...] | np.ndarray, max_tokens: int = 2) -> tuple[bytes, list[memoryview]]:
+    header = worker_pb2.GenerateRequest(request_id="r1")
+    header.sampling.max_tokens = max_tokens
+    segments, rows = wire.chunked_segments(list(pieces), FP32)
+    return header.SerializeToString() + segments, rows
+
+
+async def _error(call: Any) -> Any:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _ = [r async for r in call]
+    return info.value
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, HIDDEN)).astype(np.float32)
+
+
+def test_rows_split_anywhere_reach_the_engine_as_sent_and_aligned() -> None:
+    async def run() -> None:
+        engine, server, channel = await _serve()
+        try:
+            a, b = _rows(3000, 1), _rows(1700, 2)
+            request, rows = _request(a, (5, 6, 7), b)
+            # piece sizes that cut rows, floats and the boundary between the two tensors
+            messages = list(wire.chunk_messages(request, [memoryview(b"".join(rows))], 4099))
+            got = [r async for r in _raw_call(channel, messages)]
+            assert "".join(r.text for r in got) == "xx"
+            assert got[-1].prompt_tokens == 3000 + 3 + 1700
+            (req,) = engine.seen
+            segs = req.segments
+            assert [type(s) for s in segs] == [EmbedsSegment, TokenSegment, EmbedsSegment]
+            np.testing.assert_array_equal(segs[0].rows, a)
+            assert segs[1].ids == (5, 6, 7)
+            np.testing.assert_array_equal(segs[2].rows, b)
+            assert all(s.rows.ctypes.data % 16 == 0 for s in (segs[0], segs[2]))
+        finally:
+            await channel.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_tensor_that_carries_its_own_data_needs_no_rows_and_generate_checks_still_apply() -> None:
+    async def run() -> None:
+        engine, server, channel = await _serve()
+        try:
+            own = _rows(2)
+            req = worker_pb2.GenerateRequest(request_id="r2")
+            req.sampling.max_tokens = 1
+            req.segments.add().embeds.CopyFrom(tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=own.tobytes()))
+            first = worker_pb2.GenerateChunk(request=req).SerializeToString()
+            got = [r async for r in _raw_call(channel, [first])]
+            assert got[-1].prompt_tokens == 2
+            np.testing.assert_array_equal(engine.seen[0].segments[0].rows, own)
+
+            bad = _rows(8)
+            bad[5, 1] = np.nan
+            request, rows = _request(bad)
+            err = await _error(_raw_call(channel, list(wire.chunk_messages(request, rows, 40))))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert from_rpc_error(err).reason == "NON_FINITE" and err.details().startswith("prompt_embeds:")
+
+            assert len(engine.seen) == 1  # nothing that broke a rule reached the engine
+        finally:
+            await channel.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def _rows_message(data: bytes) -> bytes:
+    return worker_pb2.GenerateChunk(rows=data).SerializeToString()
+
+
+@pytest.mark.parametrize("case, field, reason", [
+    ("rows first", "request", "REQUIRED"),
+    ("nothing", "request", "REQUIRED"),
+    ("two requests", "request", "DUPLICATE"),
+    ("too many bytes", "rows", "TOO_MANY_BYTES"),
+    ("too few bytes", "rows", "INCOMPLETE"),
+    ("past the limit", "segments[0].embeds.shape", "TOO_LARGE"),
+    ("bad shape", "segments[0].embeds.shape", "INVALID_SHAPE"),
+    ("not a message", "request", "MALFORMED_MESSAGE"),
+])
+def test_a_stream_that_breaks_a_rule_is_refused_by_name(case: str, field: str, reason: str) -> None:
+    async def run() -> None:
+        engine, server, channel = await _serve(max_message_bytes=1 << 20)
+        try:
+            request, rows = _request(_rows(100))
+            data = b"".join(rows)
+            first = wire.chunk_messages(request, [], 1).__next__()
+            messages = {
+                "rows first": [_rows_message(data), first],
+                "nothing": [],
+                "two requests": [first, _rows_message(data), first],
+                "too many bytes": [first, _rows_message(data), _rows_message(b"\0" * 4)],
+                "too few bytes": [first, _rows_message(data[:-4])],
+                "past the limit": [next(wire.chunk_messages(_request(np.zeros((70000, HIDDEN), np.float32))[0], [],
+                                                            1))],
+                "bad shape": [worker_pb2.GenerateChunk(request=worker_pb2.GenerateRequest(
+                    request_id="x", segments=[worker_pb2.PromptSegment(embeds=tensor_pb2.Tensor(
+                        dtype=FP32, shape=[-1, HIDDEN]))])).SerializeToString()],
+                "not a message": [first, b"\x12\xff\xff"],
+            }[case]
+            err = await _error(_raw_call(channel, messages))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+            e = from_rpc_error(err)
+            assert (e.field, e.reason) == (field, reason), err.details()
+            assert engine.seen == []
+        finally:
+            await channel.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_a_stream_without_the_mesh_token_is_refused() -> None:
+    async def run() -> None:
+        tls.configure(tls.Security(mesh_token="s3cret-token-value"))
+        try:
+            engine, server, channel = await _serve()
+            try:
+                # one message (a tensor with its data): a refusal while the client still writes surfaces as
+                # grpc.aio's own INTERNAL on the client, whatever the server answered
+                req = worker_pb2.GenerateRequest(request_id="t", segments=[worker_pb2.PromptSegment(
+                    embeds=tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=_rows(2).tobytes()))])
+                req.sampling.max_tokens = 2
+                messages = [worker_pb2.GenerateChunk(request=req).SerializeToString()]
+                err = await _error(_raw_call(channel, messages))
+                assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+                call = channel.stream_stream(f"/{SERVICE}/GenerateChunks", request_serializer=None,
+                                             response_deserializer=worker_pb2.GenerateResponse.FromString)(
+                    iter(messages), metadata=((tls.MESH_TOKEN_HEADER, "s3cret-token-value"),))
+                assert "".join([r.text async for r in call]) == "xx"
+                assert len(engine.seen) == 1
+            finally:
+                await channel.close()
+                await server._server.stop(0)
+        finally:
+            tls.configure(tls.Security())
+
+    asyncio.run(run())
+
+
+def test_rows_messages_are_read_as_views_and_parse_as_protobuf_does() -> None:
+    data = bytes(range(256)) * 64
+    raw = _rows_message(data)
+    piece = wire.parse_generate_chunk(raw)
+    assert isinstance(piece, wire.RowsPiece) and bytes(piece.data) == data
+    assert piece.data.obj is raw  # a view of the received bytes, not a copy
+    for other in (worker_pb2.GenerateChunk(request=worker_pb2.GenerateRequest(request_id="a")).SerializeToString(),
+                  _rows_message(b"ab"),  # small: protobuf is as fast
+                  raw + b"\x12\x00"):    # a second rows field: protobuf's rules decide
+        parsed = wire.parse_generate_chunk(other)
+        assert parsed == worker_pb2.GenerateChunk.FromString(other)
+    with pytest.raises(DecodeError):  # as protobuf words it (the server turns it into MALFORMED_MESSAGE)
+        wire.parse_generate_chunk(b"\x12\xff\xff")
+
+
+def test_chunk_messages_parse_back_to_the_request_and_its_rows() -> None:
+    a, b = _rows(33), _rows(17, 3)
+    request, rows = _request((1, 2), a, b)
+    messages = list(wire.chunk_messages(request, rows, 100))
+    parsed = [worker_pb2.GenerateChunk.FromString(m) for m in messages]
+    assert parsed[0].WhichOneof("part") == "request"
+    head = parsed[0].request
+    assert list(head.segments[0].token_ids.ids) == [1, 2]
+    assert [list(s.embeds.shape) for s in head.segments[1:]] == [[33, HIDDEN], [17, HIDDEN]]
+    assert all(len(s.embeds.data) == 0 for s in head.segments[1:])
+    assert all(len(p.rows) <= 100 for p in parsed[1:])
+    assert b"".join(p.rows for p in parsed[1:]) == a.tobytes() + b.tobytes()
