@@ -31,6 +31,7 @@ DOMAIN = "embedmesh"
 
 __all__ = [
     "DOMAIN",
+    "answered_by_peer",
     "EmbedmeshError",
     "InvalidArgument",
     "NotFound",
@@ -174,6 +175,13 @@ def rpc_error_from_status(status: common_pb2.RpcStatus) -> grpc.aio.AioRpcError:
     """The ``AioRpcError`` a call ending with ``status`` raises (its details in the trailing metadata), so callers
     handle a request of a multiplexed stream exactly as a call (``from_rpc_error`` reads field and reason)."""
     return rpc_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, status.status_details)
+
+
+def answered_by_peer(e: grpc.aio.AioRpcError) -> bool:
+    """The failed call's status came from the mesh service it called (which always sends its status details), not
+    from gRPC itself (connection lost, no such method, a local failure)."""
+    return any((item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin"
+               for item in e.trailing_metadata() or ())
 
 
 def _status_details(e: grpc.RpcError) -> status_pb2.Status | None:

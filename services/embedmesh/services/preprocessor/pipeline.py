@@ -23,7 +23,7 @@ import grpc
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import wire
 from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
-from embedmesh.core.errors import EmbedmeshError, Unavailable, from_rpc_error
+from embedmesh.core.errors import EmbedmeshError, Unavailable, answered_by_peer, from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import SamplingParams, choice_seed, sampling_to_proto
 from embedmesh.services.preprocessor.metrics import (
@@ -213,11 +213,7 @@ def _picker(pool: WorkerPool, router: Routes | None, model: str, hashes: list[in
 
 def _transport_failure(e: grpc.aio.AioRpcError) -> bool:
     """UNAVAILABLE made by gRPC itself (connection refused or reset: the worker is gone), not by the worker."""
-    if e.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    trailing = e.trailing_metadata() or ()
-    return not any((item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin"
-                   for item in trailing)
+    return e.code() == grpc.StatusCode.UNAVAILABLE and not answered_by_peer(e)
 
 
 async def _one(

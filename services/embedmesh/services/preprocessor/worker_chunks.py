@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from embedmesh.core import wire
+from embedmesh.core.errors import answered_by_peer
 from embedmesh.core.logs import get_logger
 from embedmesh.worker.v1 import worker_pb2
 
@@ -64,18 +65,14 @@ class ChunkedBody:
 
 def _method_missing(e: grpc.aio.AioRpcError) -> bool:
     """UNIMPLEMENTED from gRPC itself (no such method on the server), not an answer of the worker's own."""
-    trailing = e.trailing_metadata() or ()
-    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not any(
-        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not answered_by_peer(e)
 
 
 def _refused_while_writing(e: grpc.aio.AioRpcError) -> bool:
     """grpc.aio's own INTERNAL for a write that failed because the call had already ended: the worker answered
     before it read every piece (a refusal, a drain), and grpc.aio reports its failed write instead of that answer.
     The same request as one Generate call gets the worker's own answer (which the pipeline then handles)."""
-    trailing = e.trailing_metadata() or ()
-    return e.code() == grpc.StatusCode.INTERNAL and not any(
-        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+    return e.code() == grpc.StatusCode.INTERNAL and not answered_by_peer(e)
 
 
 class ChunkedCall:
