@@ -85,3 +85,29 @@ def test_async_client(mesh: Any, embeds_of: Any) -> None:
 
     whole, streamed = asyncio.run(go())
     assert whole == streamed
+
+
+def test_big_tensors_go_in_pieces_past_any_message_size_limit(mesh: Any, pc: Client) -> None:
+    # 1200 x 576 float32 = 2.8 MB: over the 1 MiB threshold, so the client sends CompleteChunks in 1 MiB pieces,
+    # and a client whose messages may not exceed 1.5 MiB still gets the answer one big message gives.
+    big = np.random.default_rng(1).standard_normal((1200, 576), dtype=np.float32) * 0.05
+    expected = pc.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
+    with Client(mesh.preprocessor, timeout=120, max_message_bytes=3 << 19) as small:
+        got = small.complete(MODEL, embeds=[big, big[:7]], prefix=big[:3], max_tokens=5, temperature=0)
+        assert got.usage.prompt_tokens == 1200 + 7 + 2 * 3
+        alone = small.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
+        streamed = "".join(e.text for e in small.stream_complete(MODEL, embeds=big, max_tokens=5, temperature=0))
+        with pytest.raises(EmbedmeshClientError) as info:  # the NaN is found by the mesh, named as always
+            bad = big.copy()
+            bad[1000, 3] = np.nan
+            small.complete(MODEL, embeds=bad, max_tokens=5)
+    assert alone.choices[0].text == streamed == expected.choices[0].text
+    assert (info.value.field, info.value.reason) == ("prompt_embeds", "NON_FINITE")
+
+    async def go() -> tuple[str, str]:
+        async with AsyncClient(mesh.preprocessor, max_message_bytes=3 << 19) as c:
+            whole = await c.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
+            parts = [e.text async for e in c.stream_complete(MODEL, embeds=big, max_tokens=5, temperature=0)]
+            return whole.choices[0].text, "".join(parts)
+
+    assert asyncio.run(go()) == (expected.choices[0].text, expected.choices[0].text)

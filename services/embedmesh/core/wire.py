@@ -19,7 +19,7 @@ field path). It handles only the plain shape of the message and leaves anything 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,7 +31,7 @@ from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
            "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
-           "chunk_messages", "RowsPiece", "parse_generate_chunk"]
+           "chunk_messages", "RowsPiece", "parse_chunk", "parse_generate_chunk"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -106,8 +106,8 @@ def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int)
     return b"".join(parts), rows
 
 
-_CHUNK_REQUEST = _key(worker_pb2.GenerateChunk.DESCRIPTOR.fields_by_name["request"].number)
-_CHUNK_ROWS = _key(worker_pb2.GenerateChunk.DESCRIPTOR.fields_by_name["rows"].number)
+_CHUNK_REQUEST = _key(worker_pb2.GenerateChunksRequest.DESCRIPTOR.fields_by_name["request"].number)
+_CHUNK_ROWS = _key(worker_pb2.GenerateChunksRequest.DESCRIPTOR.fields_by_name["rows"].number)
 
 
 def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Iterator[bytes]:
@@ -321,29 +321,41 @@ _ZERO_COPY_MIN = 4096
 """Below this size the ordinary parser is as fast (the scan is Python)."""
 
 class RowsPiece(NamedTuple):
-    """A GenerateChunks message holding only ``rows``: the bytes as a view of the received buffer."""
+    """A pieces-stream message holding only ``rows`` (``core.pieces``): the bytes as a view of the received buffer."""
 
     data: memoryview
 
 
-def parse_generate_chunk(raw: bytes) -> RowsPiece | worker_pb2.GenerateChunk:
-    """``WorkerService.GenerateChunks``' request deserializer: a message that is exactly one ``rows`` field becomes a
-    ``RowsPiece`` (protobuf would copy the bytes twice: into its arena, then into a new ``bytes`` when the field is
-    read); anything else is parsed by protobuf (which words its errors)."""
-    if len(raw) >= _ZERO_COPY_MIN and raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
-        buf = memoryview(raw)
-        try:
-            n, pos = _read_varint(buf, len(_CHUNK_ROWS), len(buf))
-        except _Malformed:
-            n, pos = -1, 0
-        if pos + n == len(buf):
-            return RowsPiece(buf[pos:])
-    return worker_pb2.GenerateChunk.FromString(raw)
+def parse_chunk(cls: Any) -> Callable[[bytes], Any]:
+    """A request deserializer for a pieces stream of ``cls`` (``oneof part { request = 1; bytes rows = 2; }``): a
+    message that is exactly one ``rows`` field becomes a ``RowsPiece`` (protobuf would copy the bytes twice: into
+    its arena, then into a new ``bytes`` when the field is read); anything else is parsed by protobuf (which words
+    its errors)."""
+    assert _key(cls.DESCRIPTOR.fields_by_name["rows"].number) == _CHUNK_ROWS
+
+    def parse(raw: bytes) -> Any:
+        if len(raw) >= _ZERO_COPY_MIN and raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
+            buf = memoryview(raw)
+            try:
+                n, pos = _read_varint(buf, len(_CHUNK_ROWS), len(buf))
+            except _Malformed:
+                n, pos = -1, 0
+            if pos + n == len(buf):
+                return RowsPiece(buf[pos:])
+        return cls.FromString(raw)
+
+    return parse
+
+
+parse_generate_chunk = parse_chunk(worker_pb2.GenerateChunksRequest)
+"""``WorkerService.GenerateChunks``' request deserializer."""
 
 
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
     "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
+    "/embedmesh.inference.v1.InferenceService/CompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
+    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
     "/embedmesh.inference.v1.InferenceService/Complete": _parser(
         inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
     "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(

@@ -23,7 +23,7 @@ from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.vectorstore.v1 import vectorstore_pb2, vectorstore_pb2_grpc
 from embedmesh_client import vector_stores as vs
 from embedmesh_client.errors import from_rpc_error
-from embedmesh_client.requests import chat_params, completion_params, embed_request, put_messages
+from embedmesh_client.requests import chat_params, chunked_messages, completion_params, embed_request, put_messages
 from embedmesh_client.tensors import from_tensor
 
 __all__ = ["Client", "AsyncClient"]
@@ -39,6 +39,14 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def _method_missing(e: grpc.RpcError) -> bool:
+    """UNIMPLEMENTED from gRPC itself (a mesh from before the method), not an answer of the mesh's own (which always
+    carries status details)."""
+    trailing = e.trailing_metadata() or () if hasattr(e, "trailing_metadata") else ()
+    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not any(
+        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
 
 
 def _credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -90,6 +98,8 @@ class Client:
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
+        self._chunks = True
+        """False once the mesh answered that it has no CompleteChunks (an older mesh): one message from then on."""
 
     def __enter__(self) -> Client:
         return self
@@ -115,11 +125,43 @@ class Client:
         raise AssertionError("unreachable")
 
     def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        req = inference_pb2.CompleteRequest(params=completion_params(model, **kw))
+        """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
+        method gets one message."""
+        params = completion_params(model, **kw)
+        pieces = chunked_messages(params) if self._chunks else None
+        if pieces is not None:
+            try:
+                return self._inference.CompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            except grpc.RpcError as e:
+                if not _method_missing(e):
+                    raise from_rpc_error(e) from None
+                self._chunks = False
+        req = inference_pb2.CompleteRequest(params=params)
         return self._call(lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md), False)
 
     def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
-        req = inference_pb2.StreamCompleteRequest(params=completion_params(model, **kw))
+        params = completion_params(model, **kw)
+        pieces = chunked_messages(params) if self._chunks else None
+        if pieces is not None:
+            call = self._inference.StreamCompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            try:
+                first = next(call, None)
+            except grpc.RpcError as e:
+                call.cancel()
+                if not _method_missing(e):
+                    raise from_rpc_error(e) from None
+                self._chunks = False
+            else:
+                try:
+                    if first is not None:
+                        yield first
+                    yield from call
+                except grpc.RpcError as e:
+                    raise from_rpc_error(e) from None
+                finally:
+                    call.cancel()
+                return
+        req = inference_pb2.StreamCompleteRequest(params=params)
         call = self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)
         try:
             yield from call
@@ -287,6 +329,8 @@ class AsyncClient:
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
+        self._chunks = True
+        """False once the mesh answered that it has no CompleteChunks (an older mesh): one message from then on."""
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -312,11 +356,36 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        req = inference_pb2.CompleteRequest(params=completion_params(model, **kw))
+        """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
+        method gets one message."""
+        params = completion_params(model, **kw)
+        pieces = chunked_messages(params) if self._chunks else None
+        if pieces is not None:
+            try:
+                return await self._inference.CompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            except grpc.aio.AioRpcError as e:
+                if not _method_missing(e):
+                    raise from_rpc_error(e) from None
+                self._chunks = False
+        req = inference_pb2.CompleteRequest(params=params)
         return await self._call(lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md), False)
 
     async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        req = inference_pb2.StreamCompleteRequest(params=completion_params(model, **kw))
+        params = completion_params(model, **kw)
+        pieces = chunked_messages(params) if self._chunks else None
+        if pieces is not None:
+            chunked = self._inference.StreamCompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            try:
+                async for item in chunked:
+                    yield item
+                return
+            except grpc.aio.AioRpcError as e:
+                if not _method_missing(e):
+                    raise from_rpc_error(e) from None
+                self._chunks = False
+            finally:
+                chunked.cancel()
+        req = inference_pb2.StreamCompleteRequest(params=params)
         call = self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)
         try:
             async for item in call:

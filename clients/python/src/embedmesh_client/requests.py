@@ -11,9 +11,13 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh_client.tensors import to_tensor
 
-__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "CHUNK_BYTES"]
+__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "chunked_messages", "CHUNK_BYTES",
+           "CHUNKED_MIN"]
 
 CHUNK_BYTES = 1 << 20
+CHUNKED_MIN = 1 << 20
+"""Completions whose raw tensors hold at least this many bytes go as CompleteChunks / StreamCompleteChunks: the
+request, then the tensors' bytes in CHUNK_BYTES pieces (no message size limit to raise anywhere on the way)."""
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
@@ -64,6 +68,30 @@ def completion_params(model: str, prompt: str | Sequence[str] | None = None, emb
     if n is not None:
         p.n = n
     return p
+
+
+def chunked_messages(params: inference_pb2.CompletionParams) -> list[inference_pb2.CompleteChunksRequest] | None:
+    """``params`` as a CompleteChunks stream when its raw tensors hold at least ``CHUNKED_MIN`` bytes, else None:
+    the request with those tensors' ``data`` moved out, then their bytes in order (prompt_embeds, then the prefix)."""
+    def raw(params: inference_pb2.CompletionParams) -> list[Any]:
+        out = [pe.tensor for pe in params.prompt_embeds if pe.WhichOneof("source") == "tensor"]
+        if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
+            out.append(params.prefix.tensor)
+        return out
+
+    datas = [t.data for t in raw(params)]
+    if sum(len(d) for d in datas) < CHUNKED_MIN:
+        return None
+    head = inference_pb2.CompletionParams()
+    head.CopyFrom(params)
+    for t in raw(head):
+        t.ClearField("data")
+    out = [inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=head))]
+    for data in datas:
+        view = memoryview(data)
+        out.extend(inference_pb2.CompleteChunksRequest(rows=bytes(view[i:i + CHUNK_BYTES]))
+                   for i in range(0, len(data), CHUNK_BYTES))
+    return out
 
 
 def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,

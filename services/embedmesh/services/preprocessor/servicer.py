@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import tensors
+from embedmesh.core import pieces, tensors
 from embedmesh.core.errors import Unavailable
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
@@ -32,6 +32,7 @@ from embedmesh.services.preprocessor.service import (
     Stream,
 )
 from embedmesh.services.preprocessor.tools import tool_request_from_proto
+from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["InferenceServicer", "Admission"]
 
@@ -87,6 +88,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         with self.admission.slot("Complete"):
             result = await self.domain.complete(_completion_request(request.params))
         return _response(inference_pb2.CompleteResponse, result)
+
+    async def CompleteChunks(  # noqa: N802
+        self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CompleteResponse:
+        with self.admission.slot("CompleteChunks"):  # taken first: a mesh at capacity does not read the rows
+            request = await self._assembled(request_iterator)
+            result = await self.domain.complete(_completion_request(request.params))
+        return _response(inference_pb2.CompleteResponse, result)
+
+    async def StreamCompleteChunks(  # noqa: N802
+        self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
+        with self.admission.slot("StreamCompleteChunks"):
+            request = await self._assembled(request_iterator)
+            stream = await self.domain.stream_complete(_completion_request(request.params))
+            async for item in stream.items:
+                yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
+
+    async def _assembled(self, messages: AsyncIterator[Any]) -> inference_pb2.CompleteRequest:
+        """A CompleteChunks stream's request, its tensors' bytes published as the call's wire views (read by
+        ``tensors.to_numpy`` under the field names Complete reports them with); at most the embeddings byte cap."""
+        request, views = await pieces.assemble(messages, _chunked_tensors, self.domain.limits.max_embeds_bytes)
+        tensors.set_wire_views(views)
+        return request
 
     async def Chat(  # noqa: N802
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
@@ -168,6 +193,18 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
     if kind == "cache_id":
         return RawEmbeds(cache_id=pe.cache_id)
     return RawEmbeds()  # nothing set: refused by the domain under ``field``
+
+
+def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """The raw tensors of a CompleteChunks request in the order their bytes follow it (prompt_embeds in order,
+    then the prefix), by the field names ``_completion_request`` reads them with."""
+    params = request.params
+    n = len(params.prompt_embeds)
+    for i, pe in enumerate(params.prompt_embeds):
+        if pe.WhichOneof("source") == "tensor":
+            yield ("prompt_embeds" if n == 1 else f"prompt_embeds[{i}]"), pe.tensor
+    if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
+        yield "prompt_embeds_prefix", params.prefix.tensor
 
 
 def _completion_request(params: inference_pb2.CompletionParams) -> CompletionRequest:

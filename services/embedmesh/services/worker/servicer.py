@@ -53,7 +53,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             yield delta_to_proto(delta, prompt_len, token_text)
 
     async def GenerateChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateChunk], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateChunksRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         # The rows arrive in pieces (``chunks.py``); then the request is served exactly as a Generate call.
         request, views = await assemble(request_iterator, self.max_message_bytes)

@@ -107,7 +107,7 @@ def test_a_tensor_that_carries_its_own_data_needs_no_rows_and_generate_checks_st
             req = worker_pb2.GenerateRequest(request_id="r2")
             req.sampling.max_tokens = 1
             req.segments.add().embeds.CopyFrom(tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=own.tobytes()))
-            first = worker_pb2.GenerateChunk(request=req).SerializeToString()
+            first = worker_pb2.GenerateChunksRequest(request=req).SerializeToString()
             got = [r async for r in _raw_call(channel, [first])]
             assert got[-1].prompt_tokens == 2
             np.testing.assert_array_equal(engine.seen[0].segments[0].rows, own)
@@ -128,7 +128,7 @@ def test_a_tensor_that_carries_its_own_data_needs_no_rows_and_generate_checks_st
 
 
 def _rows_message(data: bytes) -> bytes:
-    return worker_pb2.GenerateChunk(rows=data).SerializeToString()
+    return worker_pb2.GenerateChunksRequest(rows=data).SerializeToString()
 
 
 @pytest.mark.parametrize("case, field, reason", [
@@ -156,7 +156,7 @@ def test_a_stream_that_breaks_a_rule_is_refused_by_name(case: str, field: str, r
                 "too few bytes": [first, _rows_message(data[:-4])],
                 "past the limit": [next(wire.chunk_messages(_request(np.zeros((70000, HIDDEN), np.float32))[0], [],
                                                             1))],
-                "bad shape": [worker_pb2.GenerateChunk(request=worker_pb2.GenerateRequest(
+                "bad shape": [worker_pb2.GenerateChunksRequest(request=worker_pb2.GenerateRequest(
                     request_id="x", segments=[worker_pb2.PromptSegment(embeds=tensor_pb2.Tensor(
                         dtype=FP32, shape=[-1, HIDDEN]))])).SerializeToString()],
                 "not a message": [first, b"\x12\xff\xff"],
@@ -184,7 +184,7 @@ def test_a_stream_without_the_mesh_token_is_refused() -> None:
                 req = worker_pb2.GenerateRequest(request_id="t", segments=[worker_pb2.PromptSegment(
                     embeds=tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=_rows(2).tobytes()))])
                 req.sampling.max_tokens = 2
-                messages = [worker_pb2.GenerateChunk(request=req).SerializeToString()]
+                messages = [worker_pb2.GenerateChunksRequest(request=req).SerializeToString()]
                 err = await _error(_raw_call(channel, messages))
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED
                 call = channel.stream_stream(f"/{SERVICE}/GenerateChunks", request_serializer=None,
@@ -207,11 +207,12 @@ def test_rows_messages_are_read_as_views_and_parse_as_protobuf_does() -> None:
     piece = wire.parse_generate_chunk(raw)
     assert isinstance(piece, wire.RowsPiece) and bytes(piece.data) == data
     assert piece.data.obj is raw  # a view of the received bytes, not a copy
-    for other in (worker_pb2.GenerateChunk(request=worker_pb2.GenerateRequest(request_id="a")).SerializeToString(),
+    request_only = worker_pb2.GenerateChunksRequest(request=worker_pb2.GenerateRequest(request_id="a"))
+    for other in (request_only.SerializeToString(),
                   _rows_message(b"ab"),  # small: protobuf is as fast
-                  raw + b"\x12\x00"):    # a second rows field: protobuf's rules decide
+                  raw + b"\x12\x00"):    # a second rows field: protobuf decides
         parsed = wire.parse_generate_chunk(other)
-        assert parsed == worker_pb2.GenerateChunk.FromString(other)
+        assert parsed == worker_pb2.GenerateChunksRequest.FromString(other)
     with pytest.raises(DecodeError):  # as protobuf words it (the server turns it into MALFORMED_MESSAGE)
         wire.parse_generate_chunk(b"\x12\xff\xff")
 
@@ -220,7 +221,7 @@ def test_chunk_messages_parse_back_to_the_request_and_its_rows() -> None:
     a, b = _rows(33), _rows(17, 3)
     request, rows = _request((1, 2), a, b)
     messages = list(wire.chunk_messages(request, rows, 100))
-    parsed = [worker_pb2.GenerateChunk.FromString(m) for m in messages]
+    parsed = [worker_pb2.GenerateChunksRequest.FromString(m) for m in messages]
     assert parsed[0].WhichOneof("part") == "request"
     head = parsed[0].request
     assert list(head.segments[0].token_ids.ids) == [1, 2]
