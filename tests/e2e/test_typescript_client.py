@@ -45,3 +45,28 @@ def test_typescript_client_reports_the_status(mesh: Any, tmp_path: Path) -> None
     assert r.returncode == 1
     err = json.loads(r.stderr.strip().splitlines()[-1])
     assert err["code"] == 3 and "hidden size" in err["details"]
+
+
+def _chunked_calls(mesh: Any) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mesh.extra['metrics_base'] + 1}/metrics", timeout=10).read()
+    prefix = 'embedmesh_rpc_requests_total{code="OK",method="StreamCompleteChunks",service="preprocessor"} '
+    return sum(float(line[len(prefix):]) for line in text.decode().splitlines() if line.startswith(prefix))
+
+
+def test_a_big_tensor_goes_in_pieces_and_gives_the_same_text(mesh: Any, tmp_path: Path) -> None:
+    # 1200 x 576 float32 = 2.8 MB, past the client's 1 MiB threshold: sent as StreamCompleteChunks
+    big = (np.random.default_rng(2).standard_normal((1200, 576)) * 0.05).astype("<f4")
+    path = tmp_path / "big.f32"
+    path.write_bytes(big.tobytes())
+    before = _chunked_calls(mesh)
+    r = subprocess.run(["node", str(SCRIPT), mesh.preprocessor, MODEL, str(path), "1200", "576", "5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    with Client(mesh.preprocessor) as c:
+        expected = c.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
+    assert out["text"] == expected.choices[0].text
+    assert out["usage"]["promptTokens"] == 1200
+    assert _chunked_calls(mesh) == before + 1

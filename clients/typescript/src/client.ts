@@ -82,8 +82,20 @@ export function float32Tensor(values: Float32Array, rows: number, hidden: number
   };
 }
 
+/** Tensors of this many bytes or more go in pieces (StreamCompleteChunks): no message size limit to raise. */
+export const CHUNKED_MIN = 1 << 20;
+const CHUNK_BYTES = 1 << 20;
+
+/** UNIMPLEMENTED from gRPC itself (a mesh from before the method), not an answer of the mesh's own (which always
+ * carries status details). */
+function methodMissing(err: grpc.ServiceError): boolean {
+  return err.code === grpc.status.UNIMPLEMENTED && !(err.metadata?.get("grpc-status-details-bin")?.length);
+}
+
 export class EmbedmeshClient {
   private readonly stub: any;
+  /** False once the mesh answered that it has no StreamCompleteChunks: one message from then on. */
+  private chunks = true;
 
   constructor(address: string, credentials: grpc.ChannelCredentials = grpc.credentials.createInsecure()) {
     const Service = loadService();
@@ -119,21 +131,50 @@ export class EmbedmeshClient {
   }
 
   /** Stream a completion of one embeddings prompt; calls onDelta for every delta, resolves with the whole.
-   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. */
-  streamComplete(
+   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. A tensor of CHUNKED_MIN
+   * bytes or more goes as StreamCompleteChunks (the request, then its bytes in 1 MiB pieces); a mesh without that
+   * method gets it as one StreamComplete message. */
+  async streamComplete(
     model: string,
     tensor: ReturnType<typeof float32Tensor>,
     sampling: Sampling,
     onDelta: (d: Delta) => void = () => {},
   ): Promise<CompletionResult> {
-    const params = { model, promptEmbeds: [{ tensor }], sampling };
+    const chunked = this.chunks && tensor.data.length >= CHUNKED_MIN;
+    try {
+      return await this.stream(model, tensor, sampling, onDelta, chunked);
+    } catch (err: any) {
+      if (!chunked || !methodMissing(err)) throw err;
+      this.chunks = false;
+      return this.stream(model, tensor, sampling, onDelta, false);
+    }
+  }
+
+  private stream(
+    model: string,
+    tensor: ReturnType<typeof float32Tensor>,
+    sampling: Sampling,
+    onDelta: (d: Delta) => void,
+    chunked: boolean,
+  ): Promise<CompletionResult> {
     return new Promise((resolve, reject) => {
       const result: CompletionResult = {
         text: [],
         finishReasons: [],
         usage: { promptTokens: 0, completionTokens: 0, totalTokens: 0 },
       };
-      const call = this.stub.StreamComplete({ params });
+      let call: any;
+      if (chunked) {
+        call = this.stub.StreamCompleteChunks();
+        const head = { dtype: tensor.dtype, shape: tensor.shape };
+        call.write({ request: { params: { model, promptEmbeds: [{ tensor: head }], sampling } } });
+        for (let i = 0; i < tensor.data.length; i += CHUNK_BYTES) {
+          call.write({ rows: tensor.data.subarray(i, i + CHUNK_BYTES) });
+        }
+        call.end();
+      } else {
+        call = this.stub.StreamComplete({ params: { model, promptEmbeds: [{ tensor }], sampling } });
+      }
       call.on("data", (msg: any) => {
         if (msg.usage) {
           result.usage = msg.usage;
