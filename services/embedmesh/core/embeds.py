@@ -21,7 +21,7 @@ from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["ModelSpec", "validate_embeds"]
+__all__ = ["ModelSpec", "validate_embeds", "check_finite"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,14 @@ def _all_finite(arr: np.ndarray, dtype: int) -> bool:
     return bool(np.isfinite(arr).all())
 
 
-def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str, max_tokens: int) -> np.ndarray:
+def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str, max_tokens: int,
+                    scanned: bool = False) -> np.ndarray:
     """Check every rule and return a C-contiguous ``(N, hidden)`` array in the model dtype (bf16 as uint16 bits).
 
     ``arr`` is what ``tensor_codec`` or ``tensors.to_numpy`` produced for ``dtype``; shape and dtype rules come
     first because they are cheap, the value scan last. The result may share memory with ``arr`` when no cast or
-    copy is needed.
+    copy is needed. ``scanned``: the values are in the model dtype and pass ``check_finite`` as they arrive
+    (``core.pieces``), so they are not scanned here (they may not have arrived yet).
     """
     name = tensors.DTYPE_NAMES.get(dtype, f"type {dtype}")
     if not tensors.is_float(dtype):
@@ -86,6 +88,10 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
         raise InvalidArgument(f"{field}: the tensor has zero rows; at least one is required", field=field,
                               reason="EMPTY_EMBEDS")
     check_context(rows, max_tokens, spec.max_context_tokens, field=field, wording=ROWS)
+    if scanned:
+        if dtype != spec.dtype:
+            raise ValueError("scanned rows must already be in the model dtype")  # a caller bug
+        return np.ascontiguousarray(arr)
     out = _cast(arr, dtype, spec.dtype)
     # NaN and Inf survive every cast, and overflow (float64 1e300 -> float32) turns into Inf: one scan of the
     # output covers both. The input is scanned again only to word the error.
@@ -98,6 +104,12 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
             )
         raise InvalidArgument(f"{field}: the tensor contains NaN or Inf values", field=field, reason="NON_FINITE")
     return np.ascontiguousarray(out)
+
+
+def check_finite(arr: np.ndarray, dtype: int, field: str) -> None:
+    """The NaN/Inf rule for values already in the model dtype (``validate_embeds``' wording)."""
+    if not _all_finite(arr, dtype):
+        raise InvalidArgument(f"{field}: the tensor contains NaN or Inf values", field=field, reason="NON_FINITE")
 
 
 def _cast(arr: np.ndarray, dtype: int, target: int) -> np.ndarray:

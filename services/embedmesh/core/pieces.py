@@ -25,7 +25,10 @@ past the limit, and rows are allocated but not touched until their bytes arrive.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -34,15 +37,15 @@ from embedmesh.core import tensors, wire
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["assemble"]
+__all__ = ["assemble", "start", "Arrival", "arriving", "arrival_of"]
 
 Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 """The tensors of a request, in the order their bytes follow it, each with its field path."""
 
 
-def _wanted(request: Any, tensors_of: Tensors, max_bytes: int) -> list[tuple[str, int]]:
-    """(field path, byte count) of every tensor whose bytes follow the request, in order."""
-    out: list[tuple[str, int]] = []
+def _wanted(request: Any, tensors_of: Tensors, max_bytes: int) -> list[tuple[str, int, int]]:
+    """(field path, byte count, element size) of every tensor whose bytes follow the request, in order."""
+    out: list[tuple[str, int, int]] = []
     total = 0
     for path, tensor in tensors_of(request):
         if len(tensor.data):
@@ -56,56 +59,181 @@ def _wanted(request: Any, tensors_of: Tensors, max_bytes: int) -> list[tuple[str
             raise InvalidArgument(
                 f"{path}.shape: the tensors of this request need {total} bytes or more; at most {max_bytes} are "
                 f"accepted", field=f"{path}.shape", reason="TOO_LARGE")
-        out.append((path, count * info.numpy.itemsize))
+        out.append((path, count * info.numpy.itemsize, info.numpy.itemsize))
     return out
+
+
+Scan = Callable[[int, np.ndarray], None]
+"""Checks the bytes of tensor ``i`` that just arrived (whole elements, as uint8), raising InvalidArgument."""
+
+
+class Arrival:
+    """A pieces stream whose request has arrived and whose tensors' bytes are read in the background: consumers
+    wait for a prefix of a tensor (``wait``) instead of the whole stream, so what the bytes feed (forwarding them
+    to a worker) overlaps their arrival. With ``scan``, a tensor's bytes count as arrived only once scanned, so no
+    consumer ever sees bytes that break its rule. The first broken rule ends the arrival: every waiter gets it."""
+
+    def __init__(self, request: Any, buffers: list[tuple[str, np.ndarray]], itemsizes: list[int],
+                 scan: Scan | None) -> None:
+        self.request = request
+        self.buffers = buffers
+        self.views = {path: memoryview(buf) for path, buf in buffers}
+        self._itemsizes = itemsizes
+        self._scan = scan
+        self._ready = [0] * len(buffers)
+        """Bytes of each tensor that arrived (and passed ``scan``), from its start."""
+        self._changed = asyncio.Event()
+        self.error: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the bytes are checked as they arrive (then consumers may use them before the stream ends)."""
+        return self._scan is not None
+
+    def ready(self, index: int) -> int:
+        return self._ready[index]
+
+    async def wait(self, index: int, n: int) -> None:
+        """Until the first ``n`` bytes of tensor ``index`` arrived; raises the arrival's error if it failed."""
+        while self._ready[index] < n:
+            if self.error is not None:
+                raise self.error
+            if self._task is not None and self._task.done():
+                raise ValueError(f"tensor {index} has {self.buffers[index][1].size} bytes, not {n}")
+            await self._changed.wait()
+        if self.error is not None and self._ready[index] < n:
+            raise self.error
+
+    async def finished(self) -> None:
+        """Until the stream ended with every byte the tensors need; raises the arrival's error if it failed."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _pulse(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _advance(self, index: int, filled: int) -> None:
+        size = self._itemsizes[index]
+        end = filled - filled % size if filled < self.buffers[index][1].size else filled
+        if end > self._ready[index]:
+            if self._scan is not None:
+                self._scan(index, self.buffers[index][1][self._ready[index]:end])
+            self._ready[index] = end
+
+    async def _read(self, messages: AsyncIterator[Any]) -> None:
+        try:
+            await self._place(messages)
+        except asyncio.CancelledError:
+            self.error = InvalidArgument("rows: the stream was cancelled", field="rows", reason="INCOMPLETE")
+            raise
+        except BaseException as e:  # noqa: BLE001 - kept for every waiter; the owner raises it
+            self.error = e
+        finally:
+            self._pulse()
+
+    async def _place(self, messages: AsyncIterator[Any]) -> None:
+        buffers = self.buffers
+        slot = 0
+        filled = 0
+        async for message in messages:
+            part = "rows" if isinstance(message, wire.RowsPiece) else message.WhichOneof("part")
+            if part == "request":
+                raise InvalidArgument("request: the stream carries one request", field="request",
+                                      reason="DUPLICATE")
+            if part != "rows":
+                continue  # an empty message: nothing to place
+            # read once: each read of a protobuf bytes field copies
+            piece = message.data if isinstance(message, wire.RowsPiece) else memoryview(message.rows)
+            pos = 0
+            while pos < len(piece):
+                if slot == len(buffers):
+                    raise InvalidArgument(
+                        f"rows: more bytes than the request's tensors need ({sum(b.size for _, b in buffers)})",
+                        field="rows", reason="TOO_MANY_BYTES")
+                buf = buffers[slot][1]
+                take = min(buf.size - filled, len(piece) - pos)
+                buf[filled:filled + take] = np.frombuffer(piece, np.uint8, take, pos)
+                filled += take
+                pos += take
+                self._advance(slot, filled)
+                if filled == buf.size:
+                    slot += 1
+                    filled = 0
+            self._pulse()
+        while slot < len(buffers) and buffers[slot][1].size == filled:
+            slot += 1  # empty tensors need no bytes
+            filled = 0
+        if slot < len(buffers):
+            need = sum(b.size for _, b in buffers)
+            got = sum(b.size for _, b in buffers[:slot]) + filled
+            raise InvalidArgument(
+                f"rows: the stream ended after {got} of the {need} bytes the request's tensors need",
+                field="rows", reason="INCOMPLETE")
+
+
+async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int,
+                scan_for: Callable[[Any], Scan | None] | None = None) -> Arrival:
+    """Read a pieces stream's request, allocate its tensors (nothing past ``max_bytes``) and go on reading their
+    bytes in the background (see ``Arrival``). ``messages`` as ``wire.parse_chunk`` gives them. ``scan_for(request)``
+    may return the check each tensor's bytes pass as they arrive (``Arrival.scanned`` says whether it did)."""
+    it = messages.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        raise InvalidArgument("request: the stream ended before its request", field="request",
+                              reason="REQUIRED") from None
+    if isinstance(first, wire.RowsPiece) or first.WhichOneof("part") != "request":
+        raise InvalidArgument("request: the first message of the stream must be the request", field="request",
+                              reason="REQUIRED")
+    request = first.request
+    wanted = _wanted(request, tensors_of, max_bytes)
+    # 64-byte aligned (numpy's allocator), untouched until the bytes arrive
+    arrival = Arrival(request, [(path, np.empty(size, np.uint8)) for path, size, _ in wanted],
+                      [itemsize for _, _, itemsize in wanted], scan_for(request) if scan_for else None)
+    arrival._task = asyncio.ensure_future(arrival._read(it))
+    return arrival
 
 
 async def assemble(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int
                    ) -> tuple[Any, dict[str, memoryview]]:
-    """The request of a pieces stream and its tensors' bytes by field path (see the module docstring).
-    ``messages`` as ``wire.parse_chunk`` gives them: a rows-only message as a view of its bytes."""
-    request: Any = None
-    buffers: list[tuple[str, np.ndarray]] = []
-    slot = 0
-    filled = 0
-    async for message in messages:
-        part = "rows" if isinstance(message, wire.RowsPiece) else message.WhichOneof("part")
-        if request is None:
-            if part != "request":
-                raise InvalidArgument("request: the first message of the stream must be the request",
-                                      field="request", reason="REQUIRED")
-            request = message.request
-            # 64-byte aligned (numpy's allocator), untouched until the bytes arrive
-            buffers = [(path, np.empty(size, np.uint8)) for path, size in _wanted(request, tensors_of, max_bytes)]
-            continue
-        if part == "request":
-            raise InvalidArgument("request: the stream carries one request", field="request", reason="DUPLICATE")
-        if part != "rows":
-            continue  # an empty message: nothing to place
-        # read once: each read of a protobuf bytes field copies
-        piece = message.data if isinstance(message, wire.RowsPiece) else memoryview(message.rows)
-        pos = 0
-        while pos < len(piece):
-            if slot == len(buffers):
-                raise InvalidArgument(
-                    f"rows: more bytes than the request's tensors need ({sum(b.size for _, b in buffers)})",
-                    field="rows", reason="TOO_MANY_BYTES")
-            buf = buffers[slot][1]
-            take = min(buf.size - filled, len(piece) - pos)
-            buf[filled:filled + take] = np.frombuffer(piece, np.uint8, take, pos)
-            filled += take
-            pos += take
-            if filled == buf.size:
-                slot += 1
-                filled = 0
-    if request is None:
-        raise InvalidArgument("request: the stream ended before its request", field="request", reason="REQUIRED")
-    while slot < len(buffers) and buffers[slot][1].size == filled:
-        slot += 1  # empty tensors need no bytes
-        filled = 0
-    if slot < len(buffers):
-        need = sum(b.size for _, b in buffers)
-        got = sum(b.size for _, b in buffers[:slot]) + filled
-        raise InvalidArgument(f"rows: the stream ended after {got} of the {need} bytes the request's tensors need",
-                              field="rows", reason="INCOMPLETE")
-    return request, {path: memoryview(buf) for path, buf in buffers}
+    """The request of a pieces stream and its tensors' bytes by field path, once every byte arrived (see the
+    module docstring). ``messages`` as ``wire.parse_chunk`` gives them: a rows-only message as a view of its bytes."""
+    arrival = await start(messages, tensors_of, max_bytes)
+    try:
+        await arrival.finished()
+    finally:
+        arrival.cancel()
+    return arrival.request, arrival.views
+
+
+_ARRIVING: ContextVar[dict[int, tuple[Arrival, int]] | None] = ContextVar("embedmesh_arriving", default=None)
+
+
+@contextlib.contextmanager
+def arriving(arrival: Arrival) -> Iterator[None]:
+    """While inside: arrays over ``arrival``'s tensors are known as still arriving (``arrival_of``), so what builds
+    on them waits for their bytes instead of reading them at once."""
+    token = _ARRIVING.set({buf.ctypes.data: (arrival, i) for i, (_, buf) in enumerate(arrival.buffers) if buf.size})
+    try:
+        yield
+    finally:
+        _ARRIVING.reset(token)
+
+
+def arrival_of(arr: np.ndarray) -> tuple[Arrival, int] | None:
+    """The scanned arrival and tensor index whose bytes ``arr`` covers from their start, if any (see ``arriving``)."""
+    known = _ARRIVING.get()
+    if not known:
+        return None
+    found = known.get(arr.ctypes.data)
+    if found is None or arr.nbytes > found[0].buffers[found[1]][1].size or not found[0].scanned:
+        return None
+    return found

@@ -35,6 +35,7 @@ from embedmesh.core.auth import Access
 from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
+    RPC_IN_FLIGHT,
     RPC_LATENCY,
     RPC_REQUESTS,
     TracingClientInterceptor,
@@ -226,6 +227,8 @@ class Observed:
 
     def __enter__(self) -> Observed:
         self.span = self._span_cm.__enter__()
+        self._in_flight = RPC_IN_FLIGHT.labels(service_name(), self.method)
+        self._in_flight.inc()
         return self
 
     def fail(self, code: str) -> None:
@@ -244,6 +247,7 @@ class Observed:
         if exc[0] is not None and issubclass(exc[0], asyncio.CancelledError | GeneratorExit):
             self.code = "CANCELLED"
         self._span_cm.__exit__(None, None, None)
+        self._in_flight.dec()
         RPC_REQUESTS.labels(service_name(), self.method, self.code).inc()
         RPC_LATENCY.labels(service_name(), self.method).observe(time.perf_counter() - self._t0)
         if self.tenant:

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
     "setup_tracing",
@@ -39,10 +39,14 @@ __all__ = [
     "TracingClientInterceptor",
     "RPC_REQUESTS",
     "RPC_LATENCY",
+    "RPC_IN_FLIGHT",
 ]
 
 RPC_REQUESTS = Counter(
     "embedmesh_rpc_requests_total", "RPCs served, by service, method and status code", ["service", "method", "code"]
+)
+RPC_IN_FLIGHT = Gauge(
+    "embedmesh_rpc_in_flight", "RPCs being served now, by service and method", ["service", "method"]
 )
 RPC_LATENCY = Histogram(
     "embedmesh_rpc_duration_seconds", "RPC handling time (whole stream for streaming RPCs)", ["service", "method"],

@@ -31,7 +31,8 @@ from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
            "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
-           "chunk_messages", "RowsPiece", "parse_chunk", "parse_generate_chunk"]
+           "chunk_messages", "chunk_request_message", "chunk_rows_message", "RowsPiece", "parse_chunk",
+           "parse_generate_chunk"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -111,13 +112,22 @@ _CHUNK_ROWS = _key(worker_pb2.GenerateChunksRequest.DESCRIPTOR.fields_by_name["r
 
 
 def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Iterator[bytes]:
-    """A GenerateChunks stream as message bytes: the request (serialized, see ``chunked_segments``), then the rows
-    in pieces of ``size`` bytes. Each piece is copied once, when it is about to be sent (still in cache)."""
-    yield _CHUNK_REQUEST + varint(len(request)) + request
+    """A pieces stream (``core.pieces``) as message bytes: the request (serialized, see ``chunked_segments``), then
+    the rows in pieces of ``size`` bytes. Each piece is copied once, when it is about to be sent (still in cache)."""
+    yield chunk_request_message(request)
     for view in rows:
         for start in range(0, len(view), size):
-            piece = view[start:start + size]
-            yield b"".join((_CHUNK_ROWS, varint(len(piece)), piece))
+            yield chunk_rows_message(view[start:start + size])
+
+
+def chunk_request_message(request: bytes) -> bytes:
+    """A pieces stream's first message: ``request`` (serialized) as its ``request`` field."""
+    return _CHUNK_REQUEST + varint(len(request)) + request
+
+
+def chunk_rows_message(piece: bytes | memoryview) -> bytes:
+    """A pieces stream's ``rows`` message, with one copy of ``piece``."""
+    return b"".join((_CHUNK_ROWS, varint(len(piece)), piece))
 
 
 # --- receiving: tensor bytes as views of the request bytes ----------------------------------------------------

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
+import numpy as np
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import wire
+from embedmesh.core import pieces, wire
 from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, answered_by_peer, from_rpc_error
 from embedmesh.core.logs import get_logger
@@ -102,13 +103,16 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
     tasks: list[asyncio.Task[None]] = []
     for p_index, prompt in enumerate(job.prompts):
         rows_bytes = sum(piece.nbytes for piece in prompt.pieces if not isinstance(piece, tuple))
-        if rows_bytes >= CHUNKED_MIN:  # the rows follow the request in pieces (``worker_chunks.py``)
+        arriving = _arriving(prompt)
+        if rows_bytes >= CHUNKED_MIN or arriving:  # the rows follow the request in pieces (``worker_chunks.py``)
             head, rows = wire.chunked_segments(prompt.pieces, job.model_dtype)
             segment: list[bytes | memoryview] = []
         else:
             segment = _segments(prompt, job.model_dtype)
-        hashes = adapter_block_hashes(block_hashes(job.prompts[p_index].pieces, router.block_size), job.adapter) \
-            if router else []
+        hashes: list[int] = []
+        if router is not None:
+            hashes = adapter_block_hashes(await _routing_hashes(prompt, arriving, router.block_size), job.adapter)
+        ready = (lambda n, a=arriving: a[0].wait(a[1], n)) if arriving else None
         for i in range(job.n):
             index = p_index * job.n + i
             sampling = job.sampling
@@ -119,8 +123,8 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
                 sampling=sampling_to_proto(sampling),
                 lora_adapter=job.adapter,
             )
-            body: bytes | ChunkedBody = ChunkedBody(req.SerializeToString() + head, tuple(rows)) \
-                if rows_bytes >= CHUNKED_MIN else b"".join([req.SerializeToString(), *segment])
+            body: bytes | ChunkedBody = ChunkedBody(req.SerializeToString() + head, tuple(rows), ready) \
+                if rows_bytes >= CHUNKED_MIN or arriving else b"".join([req.SerializeToString(), *segment])
             pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
                            job.adapter)
             tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter,
@@ -159,6 +163,31 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+ROUTE_BYTES = 4 << 20
+"""A prompt whose rows are still arriving is routed on the blocks of its first rows up to this many bytes (the
+whole prompt when smaller), so its rows can go on to the worker while the rest arrive (``core.pieces``)."""
+
+
+def _arriving(prompt: Prompt) -> tuple[pieces.Arrival, int] | None:
+    """The arrival a prompt made of one tensor still arriving from its client belongs to, with the tensor's index."""
+    if len(prompt.pieces) != 1 or isinstance(prompt.pieces[0], tuple):
+        return None
+    return pieces.arrival_of(prompt.pieces[0])
+
+
+async def _routing_hashes(prompt: Prompt, arriving: tuple[pieces.Arrival, int] | None, block_size: int) -> list[int]:
+    """The block hashes the router decides on: the whole prompt's, or those of the first ``ROUTE_BYTES`` of rows
+    still arriving (waited for)."""
+    if arriving is None:
+        return block_hashes(prompt.pieces, block_size)
+    rows = prompt.pieces[0]
+    assert isinstance(rows, np.ndarray)
+    row_bytes = rows.shape[1] * rows.itemsize
+    take = min(int(rows.shape[0]), max(ROUTE_BYTES // row_bytes, 1))
+    await arriving[0].wait(arriving[1], take * row_bytes)
+    return block_hashes([rows[:take]], block_size)
 
 
 def _coalesce(items: list[tuple[int, worker_pb2.GenerateResponse] | BaseException]

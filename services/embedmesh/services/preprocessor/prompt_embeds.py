@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedmesh.core import tensors
+from embedmesh.core import pieces, tensors
 from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
@@ -92,7 +92,13 @@ class EmbedsResolver:
             rows = await self._payload(raw.encoded, field)
         elif raw.array is not None:
             check_cap(field, raw.array.nbytes, self.max_bytes)
-            rows = validate_embeds(raw.array, raw.dtype, self.spec, field=field, max_tokens=self.max_tokens)
+            arriving = pieces.arrival_of(raw.array)
+            if arriving is not None and raw.dtype != self.spec.dtype:  # a cast needs every value: wait for them
+                await arriving[0].wait(arriving[1], raw.array.nbytes)
+                arriving = None
+            # rows still arriving are scanned as they arrive (core.pieces): the rest of the rules apply here
+            rows = validate_embeds(raw.array, raw.dtype, self.spec, field=field, max_tokens=self.max_tokens,
+                                   scanned=arriving is not None)
         else:
             raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
         check_context(int(rows.shape[0]), self.max_tokens, self.spec.max_context_tokens, field=field, wording=ROWS)

@@ -6,16 +6,19 @@ keeps only admission (``--max-inflight``), which is about calls, not requests.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from typing import Any
 
 import grpc
+import numpy as np
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import pieces, tensors
-from embedmesh.core.errors import Unavailable
+from embedmesh.core.embeds import check_finite
+from embedmesh.core.errors import EmbedmeshError, Unavailable
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.metrics import INFLIGHT, REJECTED
@@ -33,6 +36,7 @@ from embedmesh.services.preprocessor.service import (
 )
 from embedmesh.services.preprocessor.tools import tool_request_from_proto
 from embedmesh.tensor.v1 import tensor_pb2
+from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["InferenceServicer", "Admission"]
 
@@ -93,25 +97,87 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
         with self.admission.slot("CompleteChunks"):  # taken first: a mesh at capacity does not read the rows
-            request = await self._assembled(request_iterator)
-            result = await self.domain.complete(_completion_request(request.params))
+            arrival = await self._arrival(request_iterator)
+            try:
+                with self._over(arrival):
+                    result = await self.domain.complete(_completion_request(arrival.request.params))
+                    await arrival.finished()  # answered only for a stream that kept every rule to its end
+            except Exception:
+                _raise_stream_error(arrival)
+                raise
+            finally:
+                arrival.cancel()
         return _response(inference_pb2.CompleteResponse, result)
 
     async def StreamCompleteChunks(  # noqa: N802
         self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
         with self.admission.slot("StreamCompleteChunks"):
-            request = await self._assembled(request_iterator)
-            stream = await self.domain.stream_complete(_completion_request(request.params))
-            async for item in stream.items:
-                yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
+            arrival = await self._arrival(request_iterator)
+            try:
+                with self._over(arrival):
+                    stream = await self.domain.stream_complete(_completion_request(arrival.request.params))
+                    ended = False
+                    async for item in stream.items:
+                        if not ended:  # nothing goes out before the client's stream ended within the rules
+                            await arrival.finished()
+                            ended = True
+                        yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
+                    await arrival.finished()
+            except Exception:
+                _raise_stream_error(arrival)
+                raise
+            finally:
+                arrival.cancel()
 
-    async def _assembled(self, messages: AsyncIterator[Any]) -> inference_pb2.CompleteRequest:
-        """A CompleteChunks stream's request, its tensors' bytes published as the call's wire views (read by
-        ``tensors.to_numpy`` under the field names Complete reports them with); at most the embeddings byte cap."""
-        request, views = await pieces.assemble(messages, _chunked_tensors, self.domain.limits.max_embeds_bytes)
-        tensors.set_wire_views(views)
-        return request
+    async def _arrival(self, messages: AsyncIterator[Any]) -> pieces.Arrival:
+        """A CompleteChunks stream once its request arrived (its tensors' bytes still arriving), at most the
+        embeddings byte cap; a big single prompt already in the model's dtype is scanned as it arrives."""
+        arrival = await pieces.start(messages, _chunked_tensors, self.domain.limits.max_embeds_bytes,
+                                     scan_for=self._streamed_scan)
+        if not arrival.scanned:
+            try:
+                await arrival.finished()
+            except Exception:
+                arrival.cancel()
+                raise
+        return arrival
+
+    @contextlib.contextmanager
+    def _over(self, arrival: pieces.Arrival) -> Iterator[None]:
+        """Serve the request over the arrival's tensors: as the call's wire views (``tensors.to_numpy`` reads them
+        under the field names Complete reports them with) and, when scanned, as rows still arriving."""
+        tensors.set_wire_views(arrival.views)
+        with pieces.arriving(arrival) if arrival.scanned else contextlib.nullcontext():
+            yield
+
+    def _streamed_scan(self, request: inference_pb2.CompleteRequest) -> pieces.Scan | None:
+        """For one prompt of one raw tensor of ``STREAM_MIN`` bytes or more, 2-D and already in the model's dtype
+        and hidden size, without a prefix: the NaN/Inf check its bytes pass as they arrive, so they go on to the
+        worker while the rest arrive (routed on their first blocks, ``pipeline.ROUTE_BYTES``). Anything else
+        waits for every byte, then takes Complete's path (None)."""
+        params = request.params
+        if len(params.prompt_embeds) != 1 or params.HasField("prefix"):
+            return None
+        pe = params.prompt_embeds[0]
+        info = tensors.DTYPES.get(pe.tensor.dtype)
+        shape = [int(d) for d in pe.tensor.shape]
+        if pe.WhichOneof("source") != "tensor" or len(pe.tensor.data) or info is None or len(shape) != 2:
+            return None
+        if shape[0] * shape[1] * info.numpy.itemsize < STREAM_MIN:
+            return None
+        try:
+            spec = self.domain.models.resolve(params.model, worker_pb2.MODEL_TASK_GENERATE).spec
+        except EmbedmeshError:
+            return None  # the ordinary path words the error
+        if spec.dtype != pe.tensor.dtype or spec.hidden_size != shape[1]:
+            return None
+        dtype, numpy_dtype = pe.tensor.dtype, info.numpy
+
+        def scan(index: int, data: np.ndarray) -> None:
+            check_finite(data.view(numpy_dtype), dtype, "prompt_embeds")
+
+        return scan
 
     async def Chat(  # noqa: N802
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
@@ -193,6 +259,17 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
     if kind == "cache_id":
         return RawEmbeds(cache_id=pe.cache_id)
     return RawEmbeds()  # nothing set: refused by the domain under ``field``
+
+
+STREAM_MIN = 8 << 20
+"""A CompleteChunks prompt tensor of at least this many bytes goes on to its worker while it arrives (see
+``InferenceServicer._streamed_scan``); smaller ones are assembled first."""
+
+
+def _raise_stream_error(arrival: pieces.Arrival) -> None:
+    """When the client's stream broke a rule, that is the answer (whatever it made fail downstream)."""
+    if arrival.error is not None and not isinstance(arrival.error, asyncio.CancelledError):
+        raise arrival.error from None
 
 
 def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:

@@ -14,14 +14,15 @@ as it handles any Generate call's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from embedmesh.core import wire
-from embedmesh.core.errors import answered_by_peer
+from embedmesh.core.errors import EmbedmeshError, answered_by_peer
 from embedmesh.core.logs import get_logger
 from embedmesh.worker.v1 import worker_pb2
 
@@ -41,20 +42,46 @@ CHUNK_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class ChunkedBody:
-    """One generation's request without its rows (serialized, ``wire.chunked_segments``) and the rows."""
+    """One generation's request without its rows (serialized, ``wire.chunked_segments``) and the rows. ``ready``:
+    rows still arriving from the client (``core.pieces``): ``await ready(n)`` until their first ``n`` bytes arrived
+    and passed the checks (it raises the client stream's error instead if that stream broke a rule)."""
 
     request: bytes
     rows: tuple[memoryview, ...]
+    ready: Callable[[int], Awaitable[None]] | None = None
 
     @property
     def rows_bytes(self) -> int:
         return sum(len(v) for v in self.rows)
 
-    def messages(self) -> Iterator[bytes]:
-        return wire.chunk_messages(self.request, self.rows, CHUNK_BYTES)
+    def messages(self) -> Iterator[bytes] | AsyncIterator[bytes]:
+        if self.ready is None:
+            return wire.chunk_messages(self.request, self.rows, CHUNK_BYTES)
+        return self._arriving_messages(self.ready)
+
+    async def _arriving_messages(self, ready: Callable[[int], Awaitable[None]]) -> AsyncIterator[bytes]:
+        """The messages, each piece sent as soon as it arrived from the client; a client stream that broke a rule
+        ends this one short (the worker then refuses it as incomplete; the preprocessor answers with the client
+        stream's own error)."""
+        yield wire.chunk_request_message(self.request)
+        offset = 0
+        for view in self.rows:
+            for start in range(0, len(view), CHUNK_BYTES):
+                piece = view[start:start + CHUNK_BYTES]
+                try:
+                    await ready(offset + len(piece))
+                except EmbedmeshError:
+                    return
+                yield wire.chunk_rows_message(piece)
+                offset += len(piece)
+
+    async def complete(self) -> None:
+        """Until every row arrived (at once unless they are still arriving)."""
+        if self.ready is not None:
+            await self.ready(self.rows_bytes)
 
     def joined(self) -> bytes:
-        """The same request as one Generate message (for a worker without GenerateChunks)."""
+        """The same request as one Generate message (for a worker without GenerateChunks; after ``complete``)."""
         req = worker_pb2.GenerateRequest.FromString(self.request)
         pieces = iter(self.rows)
         for seg in req.segments:
@@ -82,16 +109,25 @@ class ChunkedCall:
         self._handle = handle
         self._body = body
         self._fallen_back = not handle.chunks_supported
-        self._call: Any = handle.chunks_call(body) if handle.chunks_supported else handle.generate_call(body.joined())
+        self._call: Any = handle.chunks_call(body) if handle.chunks_supported else None
         self._responses: Any = None
         self._received = False
+        self._cancelled = False
 
     def __aiter__(self) -> ChunkedCall:
         return self
 
+    async def _generate_call(self) -> Any:
+        await self._body.complete()
+        if self._cancelled:
+            raise asyncio.CancelledError
+        self._call = self._handle.generate_call(self._body.joined())
+        return self._call
+
     async def __anext__(self) -> worker_pb2.GenerateResponse:
         if self._responses is None:
-            self._responses = self._call.__aiter__()
+            call = self._call if self._call is not None else await self._generate_call()
+            self._responses = call.__aiter__()
         try:
             response = await self._responses.__anext__()
         except grpc.aio.AioRpcError as e:
@@ -102,11 +138,11 @@ class ChunkedCall:
                             extra={"worker": self._handle.address})
                 self._handle.chunks_supported = False
             self._fallen_back = True
-            self._call = self._handle.generate_call(self._body.joined())
-            self._responses = self._call.__aiter__()
+            self._responses = (await self._generate_call()).__aiter__()
             response = await self._responses.__anext__()
         self._received = True
         return response
 
     def cancel(self) -> bool:
-        return bool(self._call.cancel())
+        self._cancelled = True
+        return bool(self._call.cancel()) if self._call is not None else False

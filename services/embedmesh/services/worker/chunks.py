@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
-from embedmesh.core import pieces, wire
+import numpy as np
+
+from embedmesh.core import pieces, tensors, wire
+from embedmesh.core.embeds import check_finite
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["assemble"]
+__all__ = ["assemble", "arrive"]
 
 
 def _embeds(request: worker_pb2.GenerateRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
@@ -27,3 +30,27 @@ async def assemble(messages: AsyncIterator[worker_pb2.GenerateChunksRequest | wi
     """The request of a GenerateChunks stream and its rows' bytes by field path."""
     request, views = await pieces.assemble(messages, _embeds, max_bytes)
     return request, views
+
+
+async def arrive(messages: AsyncIterator[worker_pb2.GenerateChunksRequest | wire.RowsPiece], max_bytes: int,
+                 model_dtype: int) -> pieces.Arrival:
+    """Every byte of a GenerateChunks stream, rows already in ``model_dtype`` NaN/Inf-checked piece by piece as they
+    arrive (so that scan overlaps the transfer; ``messages.request_from_proto`` then skips it for them, see
+    ``pieces.arriving``)."""
+    def scan_for(request: worker_pb2.GenerateRequest) -> pieces.Scan | None:
+        kinds = [t.dtype for _, t in _embeds(request) if not len(t.data) and t.dtype in tensors.DTYPES]
+        if not kinds or any(k != model_dtype for k in kinds):
+            return None
+        numpy_dtype = tensors.numpy_dtype(model_dtype)
+
+        def scan(index: int, data: np.ndarray) -> None:
+            check_finite(data.view(numpy_dtype), model_dtype, "prompt_embeds")
+
+        return scan
+
+    arrival = await pieces.start(messages, _embeds, max_bytes, scan_for=scan_for)
+    try:
+        await arrival.finished()
+    finally:
+        arrival.cancel()
+    return arrival

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import tensors
+from embedmesh.core import pieces, tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.services.worker.engines.base import (
@@ -47,7 +47,8 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> Gene
         elif kind == "embeds":
             arr, dtype = tensors.to_numpy(seg.embeds, field=f"segments[{i}].embeds")
             # Cast to the model dtype here (a copy only when the wire dtype differs), scanned for NaN/Inf once.
-            rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens)
+            rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens,
+                                    scanned=pieces.arrival_of(arr) is not None)
             segments.append(EmbedsSegment(rows))
         else:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")

@@ -8,11 +8,11 @@ from typing import Any
 
 import grpc
 
-from embedmesh.core import tensors
+from embedmesh.core import pieces, tensors
 from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import MiB
-from embedmesh.services.worker.chunks import assemble
+from embedmesh.services.worker.chunks import arrive
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
@@ -56,10 +56,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request_iterator: AsyncIterator[worker_pb2.GenerateChunksRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         # The rows arrive in pieces (``chunks.py``); then the request is served exactly as a Generate call.
-        request, views = await assemble(request_iterator, self.max_message_bytes)
-        tensors.set_wire_views(views)
-        async for response in self.Generate(request, context):
-            yield response
+        info = await self.engine.ready_info()
+        arrival = await arrive(request_iterator, self.max_message_bytes, tensors.dtype_from_name(info.dtype))
+        tensors.set_wire_views(arrival.views)
+        with pieces.arriving(arrival):
+            async for response in self.Generate(arrival.request, context):
+                yield response
 
     async def GenerateMany(  # noqa: N802
         self, request_iterator: AsyncIterator[worker_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext

@@ -33,11 +33,13 @@ _ROW_DTYPES = tensors.float_storage_dtypes()
 
 
 def embeds_from_wire(arr: np.ndarray, dtype: int, info: ModelInfo, *, max_tokens: int,
-                     field: str = "prompt_embeds") -> np.ndarray:
+                     field: str = "prompt_embeds", scanned: bool = False) -> np.ndarray:
     """Rows received as ``dtype`` (a DataType) -> a ``(rows, hidden_size)`` array in the model dtype, after every
-    embeddings rule; the same function the preprocessor applies, so both ends agree on each bound."""
+    embeddings rule; the same function the preprocessor applies, so both ends agree on each bound. ``scanned``: the
+    rows passed the NaN/Inf check as they arrived (``worker/chunks.py``), in the model dtype."""
     spec = ModelSpec(info.hidden_size, info.max_context_tokens, tensors.dtype_from_name(info.dtype))
-    return validate_embeds(arr, dtype, spec, field=field, max_tokens=max_tokens)
+    return validate_embeds(arr, dtype, spec, field=field, max_tokens=max_tokens,
+                           scanned=scanned and dtype == spec.dtype)
 
 
 def check_task(info: ModelInfo) -> None:
