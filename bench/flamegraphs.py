@@ -2,11 +2,12 @@
 
     rest     REST /v1/completions, prompt [1,2,3], max_tokens=1, 1 client          (gateway, preprocessor, worker)
     ingest   gRPC Complete with a 64 MiB float32 prompt_embeds tensor, max_tokens=1  (preprocessor, worker)
+    chunks   the same tensor as a CompleteChunks stream of 1 MiB pieces               (preprocessor, worker)
     stream   64 concurrent gRPC StreamComplete streams of 256 tokens                 (preprocessor, worker)
 
 on an echo-engine mesh (no model time). Needs py-spy (pip install py-spy) and permission to attach (root here).
 
-    python bench/flamegraphs.py --out docs/perf --tag after [--only rest,ingest,stream] [--seconds 8]
+    python bench/flamegraphs.py --out docs/perf --tag after [--only rest,ingest,chunks,stream] [--seconds 8]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.support.mesh import start_mesh  # noqa: E402
 SERVICES = {"gateway": "embedmesh.gateway", "preprocessor": "embedmesh.services.preprocessor.main",
             "router": "embedmesh.services.router.main", "worker": "embedmesh.services.worker.main"}
 WHO = {"rest": ("gateway", "preprocessor", "worker"), "ingest": ("preprocessor", "worker"),
-       "stream": ("preprocessor", "worker")}
+       "chunks": ("preprocessor", "worker"), "stream": ("preprocessor", "worker")}
 
 
 def service_pids(launcher: int) -> dict[str, str]:
@@ -82,6 +83,33 @@ async def _ingest(mesh: object, stop: float) -> int:
     return n
 
 
+async def _chunks(mesh: object, stop: float) -> int:
+    """The same 64 MiB tensor as ``_ingest``, sent as a CompleteChunks stream of 1 MiB pieces (streamed through to
+    the worker as it arrives)."""
+    import grpc
+
+    from embedmesh.inference.v1 import inference_pb2
+    from embedmesh.tensor.v1 import tensor_pb2
+
+    rows = np.random.default_rng(0).standard_normal((29127, 576)).astype("<f4")
+    raw = rows.tobytes()
+    head = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model="echo", prompt_embeds=[
+        inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=list(rows.shape)))]))
+    head.params.sampling.max_tokens = 1
+    messages = [inference_pb2.CompleteChunksRequest(request=head).SerializeToString()] + [
+        inference_pb2.CompleteChunksRequest(rows=raw[i:i + (1 << 20)]).SerializeToString()
+        for i in range(0, len(raw), 1 << 20)]
+    channel = grpc.aio.insecure_channel(mesh.preprocessor)  # type: ignore[attr-defined]
+    call = channel.stream_unary("/embedmesh.inference.v1.InferenceService/CompleteChunks", request_serializer=None,
+                                response_deserializer=inference_pb2.CompleteResponse.FromString)
+    n = 0
+    while time.monotonic() < stop:
+        await call(iter(messages), timeout=120)
+        n += 1
+    await channel.close()
+    return n
+
+
 async def _stream(mesh: object, stop: float) -> int:
     from embedmesh.inference.v1 import inference_pb2
 
@@ -102,14 +130,14 @@ async def _stream(mesh: object, stop: float) -> int:
     return count
 
 
-LOADS = {"rest": _rest, "ingest": _ingest, "stream": _stream}
+LOADS = {"rest": _rest, "ingest": _ingest, "chunks": _chunks, "stream": _stream}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--tag", default="after")
-    p.add_argument("--only", default="rest,ingest,stream")
+    p.add_argument("--only", default="rest,ingest,chunks,stream")
     p.add_argument("--seconds", type=float, default=8.0)
     a = p.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")

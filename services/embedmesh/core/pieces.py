@@ -102,8 +102,6 @@ class Arrival:
             if self._task is not None and self._task.done():
                 raise ValueError(f"tensor {index} has {self.buffers[index][1].size} bytes, not {n}")
             await self._changed.wait()
-        if self.error is not None and self._ready[index] < n:
-            raise self.error
 
     async def finished(self) -> None:
         """Until the stream ended with every byte the tensors need; raises the arrival's error if it failed."""
