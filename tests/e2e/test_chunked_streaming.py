@@ -69,6 +69,13 @@ def test_a_big_prompt_streamed_through_gives_what_complete_gives(emesh: Mesh) ->
     assert got.usage.prompt_tokens == whole.usage.prompt_tokens == ROWS
     assert "".join(e.text for e in events) == whole.choices[0].text
     assert events[-1].usage.total_tokens == whole.usage.total_tokens
+    # n choices: each goes to a worker from the same arriving rows
+    pieces = _pieces(rows)
+    pieces[0].request.params.n = 3
+    with grpc.insecure_channel(emesh.preprocessor, options=OPTS) as ch:
+        three = inference_pb2_grpc.InferenceServiceStub(ch).CompleteChunks(iter(pieces), timeout=60)
+    assert [c.text for c in three.choices] == [whole.choices[0].text] * 3
+    assert three.usage.prompt_tokens == ROWS
 
 
 @pytest.mark.parametrize("case, field, reason", [

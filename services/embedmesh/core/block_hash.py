@@ -19,6 +19,7 @@ keyed by nothing process-local (unlike Python's ``hash()``), so every process co
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -78,6 +79,19 @@ def _merged(pieces: Iterable[Any]) -> list[tuple[int, ...] | np.ndarray]:
     return out
 
 
+_MEMO: dict[int, tuple[weakref.ref[np.ndarray], dict[int, list[int]]]] = {}
+"""Hashes of read-only row arrays by block size, for as long as the array lives (keyed by ``id``, dropped when the
+array dies): the encoder cache hands out the same read-only array for every hit of a payload
+(``prompt_embeds.EmbedsResolver``), so a repeated prompt is hashed once. An array that can still be written to is
+never memoized (its contents could change)."""
+
+
+def _forget(ref: weakref.ref[np.ndarray], key: int) -> None:
+    entry = _MEMO.get(key)
+    if entry is not None and entry[0] is ref:
+        del _MEMO[key]
+
+
 def block_hashes(pieces: Iterable[Any], block_size: int) -> list[int]:
     """Hashes of every full block of a prompt given in order as pieces: token-id sequences, 2-D row arrays
     (model dtype), or the worker's ``TokenSegment`` / ``EmbedsSegment``."""
@@ -85,6 +99,21 @@ def block_hashes(pieces: Iterable[Any], block_size: int) -> list[int]:
     merged = _merged(pieces)
     if len(merged) == 1 and not isinstance(merged[0], np.ndarray):
         return hash_token_blocks(merged[0], block_size)
+    rows = merged[0] if len(merged) == 1 else None
+    if isinstance(rows, np.ndarray) and not rows.flags.writeable:
+        key = id(rows)
+        entry = _MEMO.get(key)
+        if entry is None or entry[0]() is not rows:
+            entry = (weakref.ref(rows, lambda r: _forget(r, key)), {})
+            _MEMO[key] = entry
+        memo = entry[1]
+        if block_size not in memo:
+            memo[block_size] = _block_hashes(merged, block_size)
+        return list(memo[block_size])
+    return _block_hashes(merged, block_size)
+
+
+def _block_hashes(merged: list[tuple[int, ...] | np.ndarray], block_size: int) -> list[int]:
     out: list[int] = []
     parent = ROOT
     h = blake3.blake3(struct.pack("<Q", parent))

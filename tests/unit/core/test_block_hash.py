@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -167,3 +168,31 @@ def test_rows_hash_to_the_values_routers_and_workers_already_hold() -> None:
     rows = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
     assert block_hashes([rows], 16) == [6069097254257782435, 1352328450927016269]  # whole blocks
     assert block_hashes([(1, 2, 3), rows], 16) == [7716961351518373698, 8297259761770954064]  # straddling
+
+
+def test_read_only_rows_are_hashed_once_per_block_size_while_they_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from embedmesh.core import block_hash
+
+    calls: list[int] = []
+    real = block_hash._block_hashes
+
+    def counting(merged: Any, block_size: int) -> list[int]:
+        calls.append(block_size)
+        return real(merged, block_size)
+
+    monkeypatch.setattr(block_hash, "_block_hashes", counting)
+    frozen = rows(40, seed=3)
+    frozen.setflags(write=False)
+    first = block_hashes([frozen], 8)
+    assert block_hashes([frozen], 8) == first and calls == [8]  # the encoder cache's shared rows: hashed once
+    assert block_hashes([frozen], 4) != first and calls == [8, 4]
+    live = rows(40, seed=3)  # writeable: its contents may change, so it is hashed every time
+    assert block_hashes([live], 8) == first
+    live[0, 0] += 1
+    assert block_hashes([live], 8) != first and calls == [8, 4, 8, 8]
+    before = len(block_hash._MEMO)
+    del frozen
+    gc.collect()
+    assert len(block_hash._MEMO) == before - 1  # nothing kept past the array

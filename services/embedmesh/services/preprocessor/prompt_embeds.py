@@ -112,7 +112,9 @@ class EmbedsResolver:
         async def decode_and_validate() -> CachedTensor:
             arr, dtype = await decode(data, max_bytes=self.max_bytes, field=field)
             # The context is checked per request by the caller: the cached rows only depend on the model's shape.
-            return CachedTensor(validate_embeds(arr, dtype, self.spec, field=field, max_tokens=0), self.spec.dtype)
+            rows = validate_embeds(arr, dtype, self.spec, field=field, max_tokens=0)
+            rows.setflags(write=False)  # shared by every hit (and its block hashes memoized, core.block_hash)
+            return CachedTensor(rows, self.spec.dtype)
 
         # The key covers what validation depends on, so a hit is rows ready for this model.
         key = payload_key(f"payload:{self.spec.dtype}:{self.spec.hidden_size}", data)
