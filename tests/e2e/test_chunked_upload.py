@@ -111,3 +111,38 @@ def test_a_stream_that_breaks_a_rule_is_refused_by_name(mesh: Any, case: str, fi
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
             e = from_rpc_error(info.value)
             assert (e.field, e.reason) == (field, reason), info.value.details()
+
+
+def _chat(parts: list[Any]) -> inference_pb2.ChatParams:
+    params = inference_pb2.ChatParams(model=MODEL, messages=[
+        inference_pb2.ChatMessage(role="system", parts=[inference_pb2.ChatContentPart(text="Answer briefly.")]),
+        inference_pb2.ChatMessage(role="user", parts=parts)])
+    params.sampling.max_tokens = 6
+    params.sampling.temperature = 0.0
+    return params
+
+
+def test_chat_pieces_give_what_one_chat_message_gives(mesh: Any, embeds_of: Any) -> None:
+    a = embeds_of("What is the capital of").numpy().astype(np.float32)
+    b = embeds_of("France?").numpy().astype(np.float32)
+
+    def parts(with_data: bool) -> list[Any]:
+        def part(x: np.ndarray) -> Any:
+            return inference_pb2.ChatContentPart(prompt_embeds=inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(
+                dtype=FP32, shape=list(x.shape), data=x.tobytes() if with_data else b"")))
+        return [part(a), inference_pb2.ChatContentPart(text=" (one word) "), part(b)]
+
+    data = a.tobytes() + b.tobytes()  # the parts' tensors in message and part order
+    head = inference_pb2.ChatChunksRequest(request=inference_pb2.ChatRequest(params=_chat(parts(False))))
+    messages = [head] + [inference_pb2.ChatChunksRequest(rows=data[i:i + 999]) for i in range(0, len(data), 999)]
+    with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        whole = stub.Chat(inference_pb2.ChatRequest(params=_chat(parts(True))), timeout=120)
+        got = stub.ChatChunks(iter(messages), timeout=120)
+        streamed = "".join(e.text for e in stub.StreamChatChunks(iter(messages), timeout=120))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ChatChunks(iter(messages[:-1]), timeout=60)  # the last piece missing
+    assert got.choices[0].text == whole.choices[0].text == streamed and got.choices[0].text
+    assert got.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (from_rpc_error(info.value).field, from_rpc_error(info.value).reason) == ("rows", "INCOMPLETE")

@@ -97,6 +97,10 @@ def test_big_tensors_go_in_pieces_past_any_message_size_limit(mesh: Any, pc: Cli
         assert got.usage.prompt_tokens == 1200 + 7 + 2 * 3
         alone = small.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
         streamed = "".join(e.text for e in small.stream_complete(MODEL, embeds=big, max_tokens=5, temperature=0))
+        chat = [{"role": "user", "content": [{"type": "prompt_embeds", "tensor": big}]}]
+        assert small.chat(MODEL, chat, max_tokens=3, temperature=0).choices[0].text == \
+            "".join(e.text for e in small.stream_chat(MODEL, chat, max_tokens=3, temperature=0)) == \
+            pc.chat(MODEL, chat, max_tokens=3, temperature=0).choices[0].text
         with pytest.raises(EmbedmeshClientError) as info:  # the NaN is found by the mesh, named as always
             bad = big.copy()
             bad[1000, 3] = np.nan
@@ -108,6 +112,9 @@ def test_big_tensors_go_in_pieces_past_any_message_size_limit(mesh: Any, pc: Cli
         async with AsyncClient(mesh.preprocessor, max_message_bytes=3 << 19) as c:
             whole = await c.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
             parts = [e.text async for e in c.stream_complete(MODEL, embeds=big, max_tokens=5, temperature=0)]
+            chat = [{"role": "user", "content": [{"type": "prompt_embeds", "tensor": big}]}]
+            one = (await c.chat(MODEL, chat, max_tokens=3, temperature=0)).choices[0].text
+            assert one == "".join([e.text async for e in c.stream_chat(MODEL, chat, max_tokens=3, temperature=0)])
             return whole.choices[0].text, "".join(parts)
 
     assert asyncio.run(go()) == (expected.choices[0].text, expected.choices[0].text)

@@ -366,6 +366,8 @@ REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
     "/embedmesh.inference.v1.InferenceService/CompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
     "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
+    "/embedmesh.inference.v1.InferenceService/ChatChunks": parse_chunk(inference_pb2.ChatChunksRequest),
+    "/embedmesh.inference.v1.InferenceService/StreamChatChunks": parse_chunk(inference_pb2.ChatChunksRequest),
     "/embedmesh.inference.v1.InferenceService/Complete": _parser(
         inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
     "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(

@@ -23,7 +23,14 @@ from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.vectorstore.v1 import vectorstore_pb2, vectorstore_pb2_grpc
 from embedmesh_client import vector_stores as vs
 from embedmesh_client.errors import from_rpc_error
-from embedmesh_client.requests import chat_params, chunked_messages, completion_params, embed_request, put_messages
+from embedmesh_client.requests import (
+    chat_params,
+    chunked_chat_messages,
+    chunked_messages,
+    completion_params,
+    embed_request,
+    put_messages,
+)
 from embedmesh_client.tensors import from_tensor
 
 __all__ = ["Client", "AsyncClient"]
@@ -128,22 +135,46 @@ class Client:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
         params = completion_params(model, **kw)
-        pieces = chunked_messages(params) if self._chunks else None
+        req = inference_pb2.CompleteRequest(params=params)
+        return self._unary(self._inference.CompleteChunks, chunked_messages(params) if self._chunks else None,
+                           lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md))
+
+    def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
+        params = completion_params(model, **kw)
+        req = inference_pb2.StreamCompleteRequest(params=params)
+        yield from self._streamed(self._inference.StreamCompleteChunks,
+                                  chunked_messages(params) if self._chunks else None,
+                                  lambda: self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md))
+
+    def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
+        """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
+        params = chat_params(model, messages, **kw)
+        req = inference_pb2.ChatRequest(params=params)
+        return self._unary(self._inference.ChatChunks, chunked_chat_messages(params) if self._chunks else None,
+                           lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md))
+
+    def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
+                    **kw: Any) -> Iterator[inference_pb2.StreamChatResponse]:
+        params = chat_params(model, messages, **kw)
+        req = inference_pb2.StreamChatRequest(params=params)
+        yield from self._streamed(self._inference.StreamChatChunks,
+                                  chunked_chat_messages(params) if self._chunks else None,
+                                  lambda: self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md))
+
+    def _unary(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], T]) -> T:
+        """The pieces as a stream call of ``chunks`` when there are any (the mesh has the method), else ``one()``."""
         if pieces is not None:
             try:
-                return self._inference.CompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+                return chunks(iter(pieces), timeout=self.timeout, metadata=self._md)  # type: ignore[no-any-return]
             except grpc.RpcError as e:
                 if not _method_missing(e):
                     raise from_rpc_error(e) from None
                 self._chunks = False
-        req = inference_pb2.CompleteRequest(params=params)
-        return self._call(lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md), False)
+        return self._call(one, False)
 
-    def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
-        params = completion_params(model, **kw)
-        pieces = chunked_messages(params) if self._chunks else None
+    def _streamed(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], Any]) -> Iterator[Any]:
         if pieces is not None:
-            call = self._inference.StreamCompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            call = chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
             try:
                 first = next(call, None)
             except grpc.RpcError as e:
@@ -161,23 +192,7 @@ class Client:
                 finally:
                     call.cancel()
                 return
-        req = inference_pb2.StreamCompleteRequest(params=params)
-        call = self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)
-        try:
-            yield from call
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
-
-    def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        req = inference_pb2.ChatRequest(params=chat_params(model, messages, **kw))
-        return self._call(lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md), False)
-
-    def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
-                    **kw: Any) -> Iterator[inference_pb2.StreamChatResponse]:
-        req = inference_pb2.StreamChatRequest(params=chat_params(model, messages, **kw))
-        call = self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md)
+        call = one()
         try:
             yield from call
         except grpc.RpcError as e:
@@ -359,22 +374,49 @@ class AsyncClient:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
         params = completion_params(model, **kw)
-        pieces = chunked_messages(params) if self._chunks else None
+        req = inference_pb2.CompleteRequest(params=params)
+        return await self._unary(self._inference.CompleteChunks, chunked_messages(params) if self._chunks else None,
+                                 lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md))
+
+    async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
+        params = completion_params(model, **kw)
+        req = inference_pb2.StreamCompleteRequest(params=params)
+        async for item in self._streamed(
+                self._inference.StreamCompleteChunks, chunked_messages(params) if self._chunks else None,
+                lambda: self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)):
+            yield item
+
+    async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
+        """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
+        params = chat_params(model, messages, **kw)
+        req = inference_pb2.ChatRequest(params=params)
+        return await self._unary(self._inference.ChatChunks, chunked_chat_messages(params) if self._chunks else None,
+                                 lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md))
+
+    async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
+                          **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
+        params = chat_params(model, messages, **kw)
+        req = inference_pb2.StreamChatRequest(params=params)
+        async for item in self._streamed(
+                self._inference.StreamChatChunks, chunked_chat_messages(params) if self._chunks else None,
+                lambda: self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md)):
+            yield item
+
+    async def _unary(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], Any]) -> Any:
+        """The pieces as a stream call of ``chunks`` when there are any (the mesh has the method), else ``one()``."""
         if pieces is not None:
             try:
-                return await self._inference.CompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+                return await chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
             except grpc.aio.AioRpcError as e:
                 if not _method_missing(e):
                     raise from_rpc_error(e) from None
                 self._chunks = False
-        req = inference_pb2.CompleteRequest(params=params)
-        return await self._call(lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md), False)
+        return await self._call(one, False)
 
-    async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        params = completion_params(model, **kw)
-        pieces = chunked_messages(params) if self._chunks else None
+    async def _streamed(self, chunks: Callable[..., Any], pieces: list[Any] | None,
+                        one: Callable[[], Any]) -> AsyncIterator[Any]:
         if pieces is not None:
-            chunked = self._inference.StreamCompleteChunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+            chunked = chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
             try:
                 async for item in chunked:
                     yield item
@@ -385,24 +427,7 @@ class AsyncClient:
                 self._chunks = False
             finally:
                 chunked.cancel()
-        req = inference_pb2.StreamCompleteRequest(params=params)
-        call = self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)
-        try:
-            async for item in call:
-                yield item
-        except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            call.cancel()
-
-    async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        req = inference_pb2.ChatRequest(params=chat_params(model, messages, **kw))
-        return await self._call(lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md), False)
-
-    async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
-                          **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        req = inference_pb2.StreamChatRequest(params=chat_params(model, messages, **kw))
-        call = self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md)
+        call = one()
         try:
             async for item in call:
                 yield item

@@ -11,7 +11,8 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh_client.tensors import to_tensor
 
-__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "chunked_messages", "CHUNK_BYTES",
+__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "chunked_messages",
+           "chunked_chat_messages", "CHUNK_BYTES",
            "CHUNKED_MIN"]
 
 CHUNK_BYTES = 1 << 20
@@ -70,28 +71,44 @@ def completion_params(model: str, prompt: str | Sequence[str] | None = None, emb
     return p
 
 
-def chunked_messages(params: inference_pb2.CompletionParams) -> list[inference_pb2.CompleteChunksRequest] | None:
-    """``params`` as a CompleteChunks stream when its raw tensors hold at least ``CHUNKED_MIN`` bytes, else None:
-    the request with those tensors' ``data`` moved out, then their bytes in order (prompt_embeds, then the prefix)."""
-    def raw(params: inference_pb2.CompletionParams) -> list[Any]:
-        out = [pe.tensor for pe in params.prompt_embeds if pe.WhichOneof("source") == "tensor"]
-        if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
-            out.append(params.prefix.tensor)
-        return out
+def _raw_completion_tensors(params: inference_pb2.CompletionParams) -> list[Any]:
+    out = [pe.tensor for pe in params.prompt_embeds if pe.WhichOneof("source") == "tensor"]
+    if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
+        out.append(params.prefix.tensor)
+    return out
 
+
+def _raw_chat_tensors(params: inference_pb2.ChatParams) -> list[Any]:
+    return [part.prompt_embeds.tensor for m in params.messages for part in m.parts
+            if part.WhichOneof("kind") == "prompt_embeds" and part.prompt_embeds.WhichOneof("source") == "tensor"]
+
+
+def _chunked(params: Any, raw: Any, request: Any, chunk: Any) -> list[Any] | None:
     datas = [t.data for t in raw(params)]
     if sum(len(d) for d in datas) < CHUNKED_MIN:
         return None
-    head = inference_pb2.CompletionParams()
+    head = type(params)()
     head.CopyFrom(params)
     for t in raw(head):
         t.ClearField("data")
-    out = [inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=head))]
+    out = [chunk(request=request(params=head))]
     for data in datas:
         view = memoryview(data)
-        out.extend(inference_pb2.CompleteChunksRequest(rows=bytes(view[i:i + CHUNK_BYTES]))
-                   for i in range(0, len(data), CHUNK_BYTES))
+        out.extend(chunk(rows=bytes(view[i:i + CHUNK_BYTES])) for i in range(0, len(data), CHUNK_BYTES))
     return out
+
+
+def chunked_messages(params: inference_pb2.CompletionParams) -> list[inference_pb2.CompleteChunksRequest] | None:
+    """``params`` as a CompleteChunks stream when its raw tensors hold at least ``CHUNKED_MIN`` bytes, else None:
+    the request with those tensors' ``data`` moved out, then their bytes in order (prompt_embeds, then the prefix)."""
+    return _chunked(params, _raw_completion_tensors, inference_pb2.CompleteRequest,
+                    inference_pb2.CompleteChunksRequest)
+
+
+def chunked_chat_messages(params: inference_pb2.ChatParams) -> list[inference_pb2.ChatChunksRequest] | None:
+    """``params`` as a ChatChunks stream when its parts' raw tensors hold at least ``CHUNKED_MIN`` bytes, else None
+    (the tensors' bytes in message and part order)."""
+    return _chunked(params, _raw_chat_tensors, inference_pb2.ChatRequest, inference_pb2.ChatChunksRequest)
 
 
 def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,

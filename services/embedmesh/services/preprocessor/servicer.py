@@ -130,6 +130,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             finally:
                 arrival.cancel()
 
+    async def ChatChunks(  # noqa: N802
+        self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ChatResponse:
+        with self.admission.slot("ChatChunks"):  # taken first: a mesh at capacity does not read the rows
+            request = await self._assembled_chat(request_iterator)
+            result = await self.domain.chat(_chat_request(request.params))
+        return _response(inference_pb2.ChatResponse, result)
+
+    async def StreamChatChunks(  # noqa: N802
+        self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
+        with self.admission.slot("StreamChatChunks"):
+            request = await self._assembled_chat(request_iterator)
+            stream = await self.domain.stream_chat(_chat_request(request.params))
+            async for item in stream.items:
+                yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
+
+    async def _assembled_chat(self, messages: AsyncIterator[Any]) -> inference_pb2.ChatRequest:
+        """A ChatChunks stream's request once every byte arrived, its parts' tensors published as the call's wire
+        views (read under the field names Chat reports them with); at most the embeddings byte cap."""
+        request, views = await pieces.assemble(messages, _chat_chunked_tensors, self.domain.limits.max_embeds_bytes)
+        tensors.set_wire_views(views)
+        return request
+
     async def _arrival(self, messages: AsyncIterator[Any]) -> pieces.Arrival:
         """A CompleteChunks stream once its request arrived (its tensors' bytes still arriving), at most the
         embeddings byte cap; a big single prompt already in the model's dtype is scanned as it arrives."""
@@ -282,6 +306,15 @@ def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[s
             yield ("prompt_embeds" if n == 1 else f"prompt_embeds[{i}]"), pe.tensor
     if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
         yield "prompt_embeds_prefix", params.prefix.tensor
+
+
+def _chat_chunked_tensors(request: inference_pb2.ChatRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """The raw tensors of a ChatChunks request's prompt_embeds parts, in message and part order, by the field names
+    the chat path reads them with."""
+    for i, m in enumerate(request.params.messages):
+        for j, part in enumerate(m.parts):
+            if part.WhichOneof("kind") == "prompt_embeds" and part.prompt_embeds.WhichOneof("source") == "tensor":
+                yield f"messages[{i}].content[{j}]", part.prompt_embeds.tensor
 
 
 def _completion_request(params: inference_pb2.CompletionParams) -> CompletionRequest:
