@@ -24,11 +24,12 @@ from embedmesh.vectorstore.v1 import vectorstore_pb2, vectorstore_pb2_grpc
 from embedmesh_client import vector_stores as vs
 from embedmesh_client.errors import from_rpc_error
 from embedmesh_client.requests import (
+    CHUNKED_MIN,
     chat_params,
-    chunked_chat_messages,
-    chunked_messages,
+    chunk_messages,
     completion_params,
     embed_request,
+    fill_rows,
     put_messages,
 )
 from embedmesh_client.tensors import from_tensor
@@ -54,6 +55,47 @@ def _method_missing(e: grpc.RpcError) -> bool:
     trailing = e.trailing_metadata() or () if hasattr(e, "trailing_metadata") else ()
     return e.code() == grpc.StatusCode.UNIMPLEMENTED and not any(
         (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+
+
+_SERVICE = "/embedmesh.inference.v1.InferenceService/"
+
+
+def _chunk_calls(channel: Any) -> dict[str, Any]:
+    """The pieces methods as raw calls: their messages are written as bytes by ``requests.chunk_messages`` (one
+    copy of each piece, none by protobuf)."""
+    return {
+        "CompleteChunks": channel.stream_unary(_SERVICE + "CompleteChunks", request_serializer=None,
+                                               response_deserializer=inference_pb2.CompleteResponse.FromString),
+        "StreamCompleteChunks": channel.stream_stream(
+            _SERVICE + "StreamCompleteChunks", request_serializer=None,
+            response_deserializer=inference_pb2.StreamCompleteResponse.FromString),
+        "ChatChunks": channel.stream_unary(_SERVICE + "ChatChunks", request_serializer=None,
+                                           response_deserializer=inference_pb2.ChatResponse.FromString),
+        "StreamChatChunks": channel.stream_stream(_SERVICE + "StreamChatChunks", request_serializer=None,
+                                                  response_deserializer=inference_pb2.StreamChatResponse.FromString),
+    }
+
+
+class _Prepared:
+    """A completion or chat whose raw tensors' bytes were kept aside (``rows``): sent in pieces when they are big
+    enough and the mesh has the method, else as one message (the bytes put back once)."""
+
+    def __init__(self, params: Any, rows: list[memoryview], request: Any, chunks: bool) -> None:
+        self.params = params
+        self.rows = rows
+        self._request = request
+        self.chunked = chunks and sum(len(r) for r in rows) >= CHUNKED_MIN
+        self._filled = False
+
+    def pieces(self, request: Any) -> Iterator[bytes]:
+        return chunk_messages(request(params=self.params).SerializeToString(), self.rows)
+
+    def one(self) -> Any:
+        """The request as one message (``self._request`` of the params with their tensors' data)."""
+        if not self._filled:
+            fill_rows(self.params, self.rows)
+            self._filled = True
+        return self._request(params=self.params)
 
 
 def _credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -100,6 +142,7 @@ class Client:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._pieces = _chunk_calls(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
@@ -134,47 +177,49 @@ class Client:
     def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
-        params = completion_params(model, **kw)
-        req = inference_pb2.CompleteRequest(params=params)
-        return self._unary(self._inference.CompleteChunks, chunked_messages(params) if self._chunks else None,
-                           lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.CompleteRequest, self._chunks)
+        return self._unary("CompleteChunks", p, inference_pb2.CompleteRequest,
+                           lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
 
     def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
-        params = completion_params(model, **kw)
-        req = inference_pb2.StreamCompleteRequest(params=params)
-        yield from self._streamed(self._inference.StreamCompleteChunks,
-                                  chunked_messages(params) if self._chunks else None,
-                                  lambda: self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.StreamCompleteRequest,
+                      self._chunks)
+        yield from self._streamed("StreamCompleteChunks", p, inference_pb2.CompleteRequest,
+                                  lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout,
+                                                                         metadata=self._md))
 
     def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
         """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        params = chat_params(model, messages, **kw)
-        req = inference_pb2.ChatRequest(params=params)
-        return self._unary(self._inference.ChatChunks, chunked_chat_messages(params) if self._chunks else None,
-                           lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.ChatRequest, self._chunks)
+        return self._unary("ChatChunks", p, inference_pb2.ChatRequest,
+                           lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
 
     def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                     **kw: Any) -> Iterator[inference_pb2.StreamChatResponse]:
-        params = chat_params(model, messages, **kw)
-        req = inference_pb2.StreamChatRequest(params=params)
-        yield from self._streamed(self._inference.StreamChatChunks,
-                                  chunked_chat_messages(params) if self._chunks else None,
-                                  lambda: self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.StreamChatRequest,
+                      self._chunks)
+        yield from self._streamed("StreamChatChunks", p, inference_pb2.ChatRequest,
+                                  lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md))
 
-    def _unary(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], T]) -> T:
-        """The pieces as a stream call of ``chunks`` when there are any (the mesh has the method), else ``one()``."""
-        if pieces is not None:
+    def _unary(self, method: str, p: _Prepared, request: Any, one: Callable[[], T]) -> T:
+        """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
+        if p.chunked:
             try:
-                return chunks(iter(pieces), timeout=self.timeout, metadata=self._md)  # type: ignore[no-any-return]
+                return self._pieces[method](p.pieces(request), timeout=self.timeout,  # type: ignore[no-any-return]
+                                            metadata=self._md)
             except grpc.RpcError as e:
                 if not _method_missing(e):
                     raise from_rpc_error(e) from None
                 self._chunks = False
         return self._call(one, False)
 
-    def _streamed(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], Any]) -> Iterator[Any]:
-        if pieces is not None:
-            call = chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+    def _streamed(self, method: str, p: _Prepared, request: Any, one: Callable[[], Any]) -> Iterator[Any]:
+        if p.chunked:
+            call = self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
             try:
                 first = next(call, None)
             except grpc.RpcError as e:
@@ -339,6 +384,7 @@ class AsyncClient:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._pieces = _chunk_calls(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
@@ -373,50 +419,52 @@ class AsyncClient:
     async def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
-        params = completion_params(model, **kw)
-        req = inference_pb2.CompleteRequest(params=params)
-        return await self._unary(self._inference.CompleteChunks, chunked_messages(params) if self._chunks else None,
-                                 lambda: self._inference.Complete(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.CompleteRequest, self._chunks)
+        return await self._unary("CompleteChunks", p, inference_pb2.CompleteRequest,
+                                 lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
 
     async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        params = completion_params(model, **kw)
-        req = inference_pb2.StreamCompleteRequest(params=params)
+        rows: list[memoryview] = []
+        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.StreamCompleteRequest,
+                      self._chunks)
         async for item in self._streamed(
-                self._inference.StreamCompleteChunks, chunked_messages(params) if self._chunks else None,
-                lambda: self._inference.StreamComplete(req, timeout=self.timeout, metadata=self._md)):
+                "StreamCompleteChunks", p, inference_pb2.CompleteRequest,
+                lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout, metadata=self._md)):
             yield item
 
     async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
         """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        params = chat_params(model, messages, **kw)
-        req = inference_pb2.ChatRequest(params=params)
-        return await self._unary(self._inference.ChatChunks, chunked_chat_messages(params) if self._chunks else None,
-                                 lambda: self._inference.Chat(req, timeout=self.timeout, metadata=self._md))
+        rows: list[memoryview] = []
+        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.ChatRequest, self._chunks)
+        return await self._unary("ChatChunks", p, inference_pb2.ChatRequest,
+                                 lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
 
     async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                           **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        params = chat_params(model, messages, **kw)
-        req = inference_pb2.StreamChatRequest(params=params)
+        rows: list[memoryview] = []
+        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.StreamChatRequest,
+                      self._chunks)
         async for item in self._streamed(
-                self._inference.StreamChatChunks, chunked_chat_messages(params) if self._chunks else None,
-                lambda: self._inference.StreamChat(req, timeout=self.timeout, metadata=self._md)):
+                "StreamChatChunks", p, inference_pb2.ChatRequest,
+                lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md)):
             yield item
 
-    async def _unary(self, chunks: Callable[..., Any], pieces: list[Any] | None, one: Callable[[], Any]) -> Any:
-        """The pieces as a stream call of ``chunks`` when there are any (the mesh has the method), else ``one()``."""
-        if pieces is not None:
+    async def _unary(self, method: str, p: _Prepared, request: Any, one: Callable[[], Any]) -> Any:
+        """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
+        if p.chunked:
             try:
-                return await chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+                return await self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
             except grpc.aio.AioRpcError as e:
                 if not _method_missing(e):
                     raise from_rpc_error(e) from None
                 self._chunks = False
         return await self._call(one, False)
 
-    async def _streamed(self, chunks: Callable[..., Any], pieces: list[Any] | None,
+    async def _streamed(self, method: str, p: _Prepared, request: Any,
                         one: Callable[[], Any]) -> AsyncIterator[Any]:
-        if pieces is not None:
-            chunked = chunks(iter(pieces), timeout=self.timeout, metadata=self._md)
+        if p.chunked:
+            chunked = self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
             try:
                 async for item in chunked:
                     yield item

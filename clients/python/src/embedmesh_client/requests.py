@@ -9,11 +9,10 @@ from typing import Any
 from embedmesh.cache.v1 import cache_pb2
 from embedmesh.common.v1 import common_pb2
 from embedmesh.inference.v1 import inference_pb2
-from embedmesh_client.tensors import to_tensor
+from embedmesh_client.tensors import tensor_parts, to_tensor
 
-__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "chunked_messages",
-           "chunked_chat_messages", "CHUNK_BYTES",
-           "CHUNKED_MIN"]
+__all__ = ["completion_params", "chat_params", "embed_request", "put_messages", "chunk_messages", "fill_rows",
+           "CHUNK_BYTES", "CHUNKED_MIN"]
 
 CHUNK_BYTES = 1 << 20
 CHUNKED_MIN = 1 << 20
@@ -46,75 +45,77 @@ def _sampling(kw: dict[str, Any]) -> common_pb2.SamplingParams:
     return s
 
 
-def _embeds(value: Any) -> inference_pb2.PromptEmbeds:
+def _embeds(value: Any, rows: list[memoryview] | None = None) -> inference_pb2.PromptEmbeds:
+    """A PromptEmbeds entry; with ``rows``, a tensor's bytes are appended there instead of set as its ``data``."""
     if isinstance(value, str):
         return inference_pb2.PromptEmbeds(cache_id=value)
-    return inference_pb2.PromptEmbeds(tensor=to_tensor(value))
+    if rows is None:
+        return inference_pb2.PromptEmbeds(tensor=to_tensor(value))
+    head, data = tensor_parts(value)
+    rows.append(data)
+    return inference_pb2.PromptEmbeds(tensor=head)
 
 
 def completion_params(model: str, prompt: str | Sequence[str] | None = None, embeds: Any = None,
                       token_ids: Sequence[Sequence[int]] | None = None, prefix: Any = None, n: int | None = None,
-                      **sampling: Any) -> inference_pb2.CompletionParams:
-    """``embeds``: an array/tensor, an upload id (str), or a list of those (one choice each)."""
+                      rows: list[memoryview] | None = None, **sampling: Any) -> inference_pb2.CompletionParams:
+    """``embeds``: an array/tensor, an upload id (str), or a list of those (one choice each). With ``rows``, the
+    tensors carry no ``data``: their bytes are appended to ``rows`` in the order CompleteChunks sends them."""
     p = inference_pb2.CompletionParams(model=model, sampling=_sampling(sampling))
     if prompt is not None:
         p.prompts.extend([prompt] if isinstance(prompt, str) else prompt)
     if embeds is not None:
         items = embeds if isinstance(embeds, list | tuple) else [embeds]
-        p.prompt_embeds.extend(_embeds(e) for e in items)
+        p.prompt_embeds.extend(_embeds(e, rows) for e in items)
     for ids in token_ids or ():
         p.prompt_token_ids.append(inference_pb2.TokenIds(ids=list(ids)))
     if prefix is not None:
-        p.prefix.CopyFrom(_embeds(prefix))
+        p.prefix.CopyFrom(_embeds(prefix, rows))
     if n is not None:
         p.n = n
     return p
 
 
-def _raw_completion_tensors(params: inference_pb2.CompletionParams) -> list[Any]:
-    out = [pe.tensor for pe in params.prompt_embeds if pe.WhichOneof("source") == "tensor"]
-    if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
-        out.append(params.prefix.tensor)
-    return out
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
 
 
-def _raw_chat_tensors(params: inference_pb2.ChatParams) -> list[Any]:
-    return [part.prompt_embeds.tensor for m in params.messages for part in m.parts
-            if part.WhichOneof("kind") == "prompt_embeds" and part.prompt_embeds.WhichOneof("source") == "tensor"]
+def chunk_messages(request: bytes, rows: Sequence[memoryview]) -> Iterator[bytes]:
+    """A CompleteChunks / ChatChunks stream as message bytes: ``request`` (a serialized CompleteRequest or
+    ChatRequest whose tensors carry no data), then ``rows`` in ``CHUNK_BYTES`` pieces, each copied once, as it is
+    sent (field 1 ``request``, field 2 ``rows`` of both messages)."""
+    yield b"\x0a" + _varint(len(request)) + request
+    for view in rows:
+        for i in range(0, len(view), CHUNK_BYTES):
+            piece = view[i:i + CHUNK_BYTES]
+            yield b"".join((b"\x12", _varint(len(piece)), piece))
 
 
-def _chunked(params: Any, raw: Any, request: Any, chunk: Any) -> list[Any] | None:
-    datas = [t.data for t in raw(params)]
-    if sum(len(d) for d in datas) < CHUNKED_MIN:
-        return None
-    head = type(params)()
-    head.CopyFrom(params)
-    for t in raw(head):
-        t.ClearField("data")
-    out = [chunk(request=request(params=head))]
-    for data in datas:
-        view = memoryview(data)
-        out.extend(chunk(rows=bytes(view[i:i + CHUNK_BYTES])) for i in range(0, len(data), CHUNK_BYTES))
-    return out
-
-
-def chunked_messages(params: inference_pb2.CompletionParams) -> list[inference_pb2.CompleteChunksRequest] | None:
-    """``params`` as a CompleteChunks stream when its raw tensors hold at least ``CHUNKED_MIN`` bytes, else None:
-    the request with those tensors' ``data`` moved out, then their bytes in order (prompt_embeds, then the prefix)."""
-    return _chunked(params, _raw_completion_tensors, inference_pb2.CompleteRequest,
-                    inference_pb2.CompleteChunksRequest)
-
-
-def chunked_chat_messages(params: inference_pb2.ChatParams) -> list[inference_pb2.ChatChunksRequest] | None:
-    """``params`` as a ChatChunks stream when its parts' raw tensors hold at least ``CHUNKED_MIN`` bytes, else None
-    (the tensors' bytes in message and part order)."""
-    return _chunked(params, _raw_chat_tensors, inference_pb2.ChatRequest, inference_pb2.ChatChunksRequest)
+def fill_rows(params: Any, rows: Sequence[memoryview]) -> None:
+    """Put ``rows`` back as the ``data`` of the tensors they were taken from (``completion_params`` /
+    ``chat_params`` with ``rows``), for a request sent as one message."""
+    if isinstance(params, inference_pb2.CompletionParams):
+        tensors = [pe.tensor for pe in params.prompt_embeds if pe.WhichOneof("source") == "tensor"]
+        if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
+            tensors.append(params.prefix.tensor)
+    else:
+        tensors = [part.prompt_embeds.tensor for m in params.messages for part in m.parts
+                   if part.WhichOneof("kind") == "prompt_embeds"
+                   and part.prompt_embeds.WhichOneof("source") == "tensor"]
+    for tensor, data in zip(tensors, rows, strict=True):
+        tensor.data = data.tobytes()
 
 
 def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,
                 tools: Sequence[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-                **sampling: Any) -> inference_pb2.ChatParams:
-    """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``."""
+                rows: list[memoryview] | None = None, **sampling: Any) -> inference_pb2.ChatParams:
+    """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``.
+    With ``rows``, as ``completion_params``."""
     p = inference_pb2.ChatParams(model=model, sampling=_sampling(sampling))
     for m in messages:
         msg = inference_pb2.ChatMessage(role=m["role"], name=m.get("name", ""))
@@ -125,7 +126,7 @@ def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = 
                 msg.parts.append(inference_pb2.ChatContentPart(text=part["text"]))
             elif part["type"] == "prompt_embeds":
                 source = part.get("id") or part.get("tensor")
-                msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(source)))
+                msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(source, rows)))
             else:
                 raise ValueError(f"unknown content part type {part['type']!r}")
         p.messages.append(msg)

@@ -12,7 +12,7 @@ import numpy as np
 
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["to_tensor", "from_tensor"]
+__all__ = ["to_tensor", "tensor_parts", "from_tensor"]
 
 _NUMPY = {
     np.dtype("<f4"): tensor_pb2.DATA_TYPE_FP32,
@@ -40,6 +40,14 @@ def _as_numpy(value: Any) -> tuple[np.ndarray, int | None]:
 
 def to_tensor(value: Any, dtype: str | None = None) -> tensor_pb2.Tensor:
     """A numpy array or torch tensor as a ``Tensor`` message (row-major, little-endian)."""
+    head, data = tensor_parts(value, dtype)
+    head.data = data.tobytes()
+    return head
+
+
+def tensor_parts(value: Any, dtype: str | None = None) -> tuple[tensor_pb2.Tensor, memoryview]:
+    """``to_tensor`` without ``data``, and those bytes as a view (of the array itself when its layout allows): the
+    head of a tensor whose bytes are sent in pieces after it."""
     arr, forced = _as_numpy(value)
     if dtype == "bfloat16":
         forced = tensor_pb2.DATA_TYPE_BF16
@@ -50,7 +58,7 @@ def to_tensor(value: Any, dtype: str | None = None) -> tensor_pb2.Tensor:
             raise TypeError(f"unsupported dtype {arr.dtype}; use float32, float16, float64 or bfloat16")
         forced = _NUMPY[arr.dtype]
     arr = np.ascontiguousarray(arr)
-    return tensor_pb2.Tensor(dtype=forced, shape=list(arr.shape), data=memoryview(arr).cast("B").tobytes())
+    return tensor_pb2.Tensor(dtype=forced, shape=list(arr.shape)), memoryview(arr).cast("B")
 
 
 def from_tensor(msg: tensor_pb2.Tensor) -> np.ndarray:
