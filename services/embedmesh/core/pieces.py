@@ -1,6 +1,6 @@
 """Requests whose tensors' bytes follow them in pieces: ``WorkerService.GenerateChunks`` (the preprocessor sends big
-prompts to a worker this way) and ``InferenceService.CompleteChunks`` / ``StreamCompleteChunks`` (clients send big
-``prompt_embeds`` this way).
+prompts to a worker this way) and ``InferenceService.CompleteChunks`` / ``StreamCompleteChunks`` / ``ChatChunks`` /
+``StreamChatChunks`` (clients send big ``prompt_embeds`` this way).
 
 One 64 MiB message costs more than its bytes: grpc.aio hands a received message to Python as a bytes object per
 slice joined into one (two passes over memory that is no longer in cache), the sender first builds the whole message,
@@ -21,6 +21,12 @@ second request (``request``, DUPLICATE), tensors declaring more bytes in all tha
 TOO_LARGE), a shape out of range (``<path>.shape``, INVALID_SHAPE / BAD_RANK), more bytes than the shapes need
 (``rows``, TOO_MANY_BYTES), the stream ending before they all arrived (``rows``, INCOMPLETE). Nothing is allocated
 past the limit, and rows are allocated but not touched until their bytes arrive.
+
+``start`` returns as soon as the request arrived (an ``Arrival``: the bytes go on arriving in the background, and
+consumers ``wait`` for a prefix of a tensor); with a ``scan`` the bytes count as arrived only once checked, so
+consumers may use them before the stream ends (the preprocessor forwards a big prompt to its worker this way;
+``arriving`` / ``arrival_of`` let the code that builds on the rows know they are still arriving). ``assemble`` is
+``start`` and then waiting for every byte.
 """
 
 from __future__ import annotations
