@@ -98,6 +98,23 @@ def test_bad_uploads_are_400s(mesh: Any, body: dict[str, Any], param: str) -> No
     assert r.json()["error"]["param"] == param
 
 
+def test_a_big_upload_refused_by_its_header_is_a_400_every_time(mesh: Any) -> None:
+    # 14 MB: the gateway is still writing chunks when the cache refuses the header's ttl; that refusal (not a
+    # failed write, which grpc.aio would report as INTERNAL: a 500) is what comes back, every time.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.from_numpy(np.random.default_rng(0).standard_normal((6000, HIDDEN), dtype=np.float32)), buf)
+    data = base64.b64encode(buf.getvalue()).decode()
+    for _ in range(8):
+        r = httpx.post(f"{mesh.base_url}/v1/prompt_embeds", json={"data": data, "ttl_seconds": 31 * 86400},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "ttl_seconds"
+
+
 def test_repeated_payload_is_decoded_once(mesh: Any, client: Any, embeds_of: Any) -> None:
     payload = b64_of(embeds_of("A fresh prompt never sent before, about penguins"))
     before = stats(mesh)["l1"]

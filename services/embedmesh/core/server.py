@@ -343,10 +343,31 @@ def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadat
     return request
 
 
+DRAIN_MESSAGES = 4096
+DRAIN_SECONDS = 10.0
+
+
+async def _drain(requests: Any) -> None:
+    """Read and drop what the client still sends on an upload stream being refused (at most ``DRAIN_MESSAGES``
+    messages, for at most ``DRAIN_SECONDS``) before the refusal is sent: a grpc.aio client whose write fails because
+    the call already ended reports its own INTERNAL ("Internal error from Core") instead of the refusal — a 500 at
+    the gateway for an upload it forwards. A one-message request is read whole before any check runs, too."""
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            count = 0
+            async for _ in requests:
+                count += 1
+                if count >= DRAIN_MESSAGES:
+                    return
+    except Exception:  # noqa: BLE001 - timed out, or the stream cannot be read any more: refuse now
+        return
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
                 authz: _Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
+        raw = request
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             try:
@@ -355,7 +376,10 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as e:  # noqa: BLE001 - domain errors keep their status; anything else is INTERNAL
-                await _abort(context, obs.failed(e))
+                error = obs.failed(e)
+                if streaming_in:
+                    await _drain(raw)
+                await _abort(context, error)
             finally:
                 for p in owed:
                     auth.limiter().release(p)
@@ -367,8 +391,11 @@ def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str,
     authz: _Authorizer | None = None, streaming_in: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
+    upload = streaming_in and method in wire.UPLOAD_STREAMS
+
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         metadata = context.invocation_metadata()
+        raw = request
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             try:
@@ -378,7 +405,10 @@ def _wrap_stream(
             except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
                 raise
             except Exception as e:  # noqa: BLE001
-                await _abort(context, obs.failed(e))
+                error = obs.failed(e)
+                if upload:
+                    await _drain(raw)
+                await _abort(context, error)
             finally:
                 for p in owed:
                     auth.limiter().release(p)

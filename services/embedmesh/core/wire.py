@@ -32,7 +32,7 @@ from embedmesh.worker.v1 import worker_pb2
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
            "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
            "chunk_messages", "chunk_request_message", "chunk_rows_message", "RowsPiece", "parse_chunk",
-           "parse_generate_chunk"]
+           "parse_generate_chunk", "UPLOAD_STREAMS"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -375,3 +375,11 @@ REQUEST_PARSERS: dict[str, Any] = {
         lambda raw: split_complete_request(raw, inference_pb2.StreamCompleteRequest)),
 }
 """Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
+
+UPLOAD_STREAMS = frozenset({
+    "/embedmesh.worker.v1.WorkerService/GenerateChunks",
+    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks",
+    "/embedmesh.inference.v1.InferenceService/StreamChatChunks",
+})
+"""Bidirectional methods whose request stream is an upload with an end (not a long-lived stream): like every
+client-streaming method, a refusal of one waits for the client to finish sending (``core.server``)."""

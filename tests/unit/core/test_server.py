@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
@@ -203,3 +204,50 @@ async def test_a_service_registered_without_its_method_handlers_is_refused() -> 
     server = Server("refuse", ServerOptions(port=0))
     with pytest.raises(TypeError, match="generated add_"):
         server.add(register, object(), "x.Y")
+
+
+class _Refusing(worker_pb2_grpc.WorkerServiceServicer):
+    """GenerateChunks refuses the stream after its first message (a rule its request breaks)."""
+
+    async def GenerateChunks(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for _ in request_iterator:
+            raise InvalidArgument("request: refused", field="request", reason="REFUSED")
+        yield worker_pb2.GenerateResponse()
+
+
+class _RefusingCache(cache_pb2_grpc.EncoderCacheServiceServicer):
+    async def Put(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - a stream-unary call
+        async for _ in request_iterator:
+            raise InvalidArgument("ttl_seconds: refused", field="ttl_seconds", reason="REFUSED")
+        return cache_pb2.PutResponse()
+
+
+async def test_an_upload_refused_early_reaches_a_grpc_aio_client_as_the_refusal() -> None:
+    """grpc.aio reports a write that fails because the server already ended the call as its own INTERNAL: a refusal
+    of an upload stream is only answered once the client finished sending, so the client sees the refusal."""
+    server = Server("test", ServerOptions(port=0, grace_seconds=0.5))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, _Refusing(), WORKER)
+    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, _RefusingCache(),
+               "embedmesh.cache.v1.EncoderCacheService", access=Access.PUBLIC)
+    await server.start()
+    channel = insecure_channel(server.address)
+    piece = b"\x12" + bytes([0x80, 0x80, 0x40]) + b"\0" * (1 << 20)  # a GenerateChunksRequest rows message
+    chunks = channel.stream_stream(f"/{WORKER}/GenerateChunks", request_serializer=None, response_deserializer=None)
+    cache = cache_pb2_grpc.EncoderCacheServiceStub(channel)
+    try:
+        for _ in range(10):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                _ = [r async for r in chunks(iter([piece] * 24))]
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+            def puts() -> Any:
+                yield cache_pb2.PutRequest(header=cache_pb2.PutHeader())
+                for _ in range(24):
+                    yield cache_pb2.PutRequest(chunk=b"\0" * (1 << 20))
+
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await cache.Put(puts())
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    finally:
+        await channel.close()
+        await server.drain()
