@@ -177,24 +177,29 @@ def rpc_error_from_status(status: common_pb2.RpcStatus) -> grpc.aio.AioRpcError:
     return rpc_error(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, status.status_details)
 
 
-def answered_by_peer(e: grpc.aio.AioRpcError) -> bool:
+def answered_by_peer(e: grpc.RpcError) -> bool:
     """The failed call's status came from the mesh service it called (which always sends its status details), not
     from gRPC itself (connection lost, no such method, a local failure)."""
-    return any((item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin"
-               for item in e.trailing_metadata() or ())
+    return _details_bytes(e) is not None
+
+
+def _details_bytes(e: grpc.RpcError) -> bytes | None:
+    """The serialized ``google.rpc.Status`` a failed call's trailing metadata carries, if any."""
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    for item in trailing or ():
+        key, value = item if isinstance(item, tuple) else (item, trailing[item])
+        if key == "grpc-status-details-bin":
+            return value  # type: ignore[no-any-return]
+    return None
 
 
 def _status_details(e: grpc.RpcError) -> status_pb2.Status | None:
-    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-    if not trailing:
+    raw = _details_bytes(e)
+    if raw is None:
         return None
-    for item in trailing:
-        key, value = item if isinstance(item, tuple) else (item, trailing[item])
-        if key == "grpc-status-details-bin":
-            status = status_pb2.Status()
-            status.ParseFromString(value)
-            return status
-    return None
+    status = status_pb2.Status()
+    status.ParseFromString(raw)
+    return status
 
 
 def from_rpc_error(e: grpc.RpcError) -> EmbedmeshError:

@@ -40,10 +40,11 @@ from typing import Any
 import numpy as np
 
 from embedmesh.core import tensors, wire
+from embedmesh.core.embeds import check_finite
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["assemble", "start", "Arrival", "arriving", "arrival_of"]
+__all__ = ["assemble", "start", "Arrival", "arriving", "arrival_of", "finite_scan"]
 
 Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 """The tensors of a request, in the order their bytes follow it, each with its field path."""
@@ -73,6 +74,16 @@ Scan = Callable[[int, np.ndarray], None]
 """Checks the bytes of tensor ``i`` that just arrived (whole elements, as uint8), raising InvalidArgument."""
 
 
+def finite_scan(dtype: int, field: str) -> Scan:
+    """The NaN/Inf rule (``embeds.check_finite``, named ``field``) for tensors already in ``dtype``, as a scan."""
+    numpy_dtype = tensors.numpy_dtype(dtype)
+
+    def scan(index: int, data: np.ndarray) -> None:
+        check_finite(data.view(numpy_dtype), dtype, field)
+
+    return scan
+
+
 class Arrival:
     """A pieces stream whose request has arrived and whose tensors' bytes are read in the background: consumers
     wait for a prefix of a tensor (``wait``) instead of the whole stream, so what the bytes feed (forwarding them
@@ -97,9 +108,6 @@ class Arrival:
         """Whether the bytes are checked as they arrive (then consumers may use them before the stream ends)."""
         return self._scan is not None
 
-    def ready(self, index: int) -> int:
-        return self._ready[index]
-
     async def wait(self, index: int, n: int) -> None:
         """Until the first ``n`` bytes of tensor ``index`` arrived; raises the arrival's error if it failed."""
         while self._ready[index] < n:
@@ -110,9 +118,14 @@ class Arrival:
             await self._changed.wait()
 
     async def finished(self) -> None:
-        """Until the stream ended with every byte the tensors need; raises the arrival's error if it failed."""
+        """Until the stream ended with every byte the tensors need; raises the arrival's error if it failed. A
+        caller cancelled while waiting stops the reading too."""
         if self._task is not None:
-            await asyncio.shield(self._task)
+            try:
+                await asyncio.shield(self._task)
+            except asyncio.CancelledError:
+                self._task.cancel()
+                raise
         if self.error is not None:
             raise self.error
 
@@ -211,10 +224,7 @@ async def assemble(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes:
     """The request of a pieces stream and its tensors' bytes by field path, once every byte arrived (see the
     module docstring). ``messages`` as ``wire.parse_chunk`` gives them: a rows-only message as a view of its bytes."""
     arrival = await start(messages, tensors_of, max_bytes)
-    try:
-        await arrival.finished()
-    finally:
-        arrival.cancel()
+    await arrival.finished()
     return arrival.request, arrival.views
 
 

@@ -31,7 +31,7 @@ from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
            "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
-           "chunk_messages", "chunk_request_message", "chunk_rows_message", "RowsPiece", "parse_chunk",
+           "chunk_messages", "chunk_request_message", "chunk_rows_message", "row_pieces", "RowsPiece", "parse_chunk",
            "parse_generate_chunk", "UPLOAD_STREAMS"]
 
 _LEN = 2  # wire type of length-delimited fields
@@ -69,12 +69,17 @@ def segment_parts(piece: tuple[int, ...] | np.ndarray, dtype: int) -> list[bytes
         inner = worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=piece)).SerializeToString()
         return [_key(_SEGMENTS), varint(len(inner)), inner]
     rows = _rows_view(piece, dtype)
+    return [_embeds_segment_head(piece, dtype, rows.nbytes), rows]
+
+
+def _embeds_segment_head(piece: np.ndarray, dtype: int, data_bytes: int | None) -> bytes:
+    """A ``segments`` entry holding ``piece`` as an embeds tensor, up to where its ``data`` bytes go: with
+    ``data_bytes``, the field's key and length end it (the rows follow); None, the tensor has no ``data``."""
     head = tensor_pb2.Tensor(dtype=dtype, shape=list(piece.shape)).SerializeToString()  # type: ignore[arg-type]
-    data_head = _key(_DATA) + varint(rows.nbytes)
-    tensor_len = len(head) + len(data_head) + rows.nbytes
+    data_head = b"" if data_bytes is None else _key(_DATA) + varint(data_bytes)
+    tensor_len = len(head) + len(data_head) + (data_bytes or 0)
     embeds_head = _key(_EMBEDS) + varint(tensor_len)
-    segment_len = len(embeds_head) + tensor_len
-    return [_key(_SEGMENTS) + varint(segment_len) + embeds_head + head + data_head, rows]
+    return _key(_SEGMENTS) + varint(len(embeds_head) + tensor_len) + embeds_head + head + data_head
 
 
 def generate_request_bytes(header: worker_pb2.GenerateRequest, pieces: Sequence[tuple[int, ...] | np.ndarray],
@@ -101,9 +106,7 @@ def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int)
             parts.extend(segment_parts(piece, dtype))
             continue
         rows.append(_rows_view(piece, dtype))
-        head = tensor_pb2.Tensor(dtype=dtype, shape=list(piece.shape)).SerializeToString()  # type: ignore[arg-type]
-        embeds = _key(_EMBEDS) + varint(len(head)) + head
-        parts.append(_key(_SEGMENTS) + varint(len(embeds)) + embeds)
+        parts.append(_embeds_segment_head(piece, dtype, None))
     return b"".join(parts), rows
 
 
@@ -115,9 +118,19 @@ def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Ite
     """A pieces stream (``core.pieces``) as message bytes: the request (serialized, see ``chunked_segments``), then
     the rows in pieces of ``size`` bytes. Each piece is copied once, when it is about to be sent (still in cache)."""
     yield chunk_request_message(request)
+    for _, piece in row_pieces(rows, size):
+        yield chunk_rows_message(piece)
+
+
+def row_pieces(rows: Sequence[memoryview], size: int) -> Iterator[tuple[int, memoryview]]:
+    """``rows`` in pieces of at most ``size`` bytes (a piece never spans two views), each with the count of bytes up
+    to its end."""
+    end = 0
     for view in rows:
         for start in range(0, len(view), size):
-            yield chunk_rows_message(view[start:start + size])
+            piece = view[start:start + size]
+            end += len(piece)
+            yield end, piece
 
 
 def chunk_request_message(request: bytes) -> bytes:
@@ -361,13 +374,22 @@ parse_generate_chunk = parse_chunk(worker_pb2.GenerateChunksRequest)
 """``WorkerService.GenerateChunks``' request deserializer."""
 
 
+_PIECES_STREAMS: dict[str, Any] = {
+    "/embedmesh.worker.v1.WorkerService/GenerateChunks": worker_pb2.GenerateChunksRequest,
+    "/embedmesh.inference.v1.InferenceService/CompleteChunks": inference_pb2.CompleteChunksRequest,
+    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": inference_pb2.CompleteChunksRequest,
+    "/embedmesh.inference.v1.InferenceService/ChatChunks": inference_pb2.ChatChunksRequest,
+    "/embedmesh.inference.v1.InferenceService/StreamChatChunks": inference_pb2.ChatChunksRequest,
+}
+"""The methods that take a pieces stream (``core.pieces``), with their request message."""
+
+UPLOAD_STREAMS = frozenset(_PIECES_STREAMS)
+"""Methods whose request stream is an upload with an end (not a long-lived stream): like every client-streaming
+method, a refusal of one waits for the client to finish sending (``core.server``)."""
+
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
-    "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
-    "/embedmesh.inference.v1.InferenceService/CompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
-    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": parse_chunk(inference_pb2.CompleteChunksRequest),
-    "/embedmesh.inference.v1.InferenceService/ChatChunks": parse_chunk(inference_pb2.ChatChunksRequest),
-    "/embedmesh.inference.v1.InferenceService/StreamChatChunks": parse_chunk(inference_pb2.ChatChunksRequest),
+    **{method: parse_chunk(cls) for method, cls in _PIECES_STREAMS.items()},
     "/embedmesh.inference.v1.InferenceService/Complete": _parser(
         inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
     "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(
@@ -376,10 +398,3 @@ REQUEST_PARSERS: dict[str, Any] = {
 }
 """Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
 
-UPLOAD_STREAMS = frozenset({
-    "/embedmesh.worker.v1.WorkerService/GenerateChunks",
-    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks",
-    "/embedmesh.inference.v1.InferenceService/StreamChatChunks",
-})
-"""Bidirectional methods whose request stream is an upload with an end (not a long-lived stream): like every
-client-streaming method, a refusal of one waits for the client to finish sending (``core.server``)."""

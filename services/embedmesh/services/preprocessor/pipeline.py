@@ -104,7 +104,8 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
     for p_index, prompt in enumerate(job.prompts):
         rows_bytes = sum(piece.nbytes for piece in prompt.pieces if not isinstance(piece, tuple))
         arriving = _arriving(prompt)
-        if rows_bytes >= CHUNKED_MIN or arriving:  # the rows follow the request in pieces (``worker_chunks.py``)
+        chunked = rows_bytes >= CHUNKED_MIN or arriving is not None
+        if chunked:  # the rows follow the request in pieces (``worker_chunks.py``)
             head, rows = wire.chunked_segments(prompt.pieces, job.model_dtype)
             segment: list[bytes | memoryview] = []
         else:
@@ -124,7 +125,7 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
                 lora_adapter=job.adapter,
             )
             body: bytes | ChunkedBody = ChunkedBody(req.SerializeToString() + head, tuple(rows), ready) \
-                if rows_bytes >= CHUNKED_MIN or arriving else b"".join([req.SerializeToString(), *segment])
+                if chunked else b"".join([req.SerializeToString(), *segment])
             pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
                            job.adapter)
             tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter,

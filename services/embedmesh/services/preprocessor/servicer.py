@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
 import grpc
-import numpy as np
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import pieces, tensors
-from embedmesh.core.embeds import check_finite
 from embedmesh.core.errors import Unavailable
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
@@ -97,83 +95,70 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
         with self.admission.slot("CompleteChunks"):  # taken first: a mesh at capacity does not read the rows
-            arrival = await self._arrival(request_iterator)
-            try:
-                with self._over(arrival):
-                    result = await self.domain.complete(_completion_request(arrival.request.params))
-                    await arrival.finished()  # answered only for a stream that kept every rule to its end
-            except Exception:
-                _raise_stream_error(arrival)
-                raise
-            finally:
-                arrival.cancel()
+            arrival = await self._arrival(request_iterator, _chunked_tensors, self._streamed_scan)
+            async with self._serving(arrival):
+                result = await self.domain.complete(_completion_request(arrival.request.params))
         return _response(inference_pb2.CompleteResponse, result)
 
     async def StreamCompleteChunks(  # noqa: N802
         self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
         with self.admission.slot("StreamCompleteChunks"):
-            arrival = await self._arrival(request_iterator)
-            try:
-                with self._over(arrival):
-                    stream = await self.domain.stream_complete(_completion_request(arrival.request.params))
-                    ended = False
-                    async for item in stream.items:
-                        if not ended:  # nothing goes out before the client's stream ended within the rules
-                            await arrival.finished()
-                            ended = True
-                        yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
-                    await arrival.finished()
-            except Exception:
-                _raise_stream_error(arrival)
-                raise
-            finally:
-                arrival.cancel()
+            arrival = await self._arrival(request_iterator, _chunked_tensors, self._streamed_scan)
+            async with self._serving(arrival):
+                stream = await self.domain.stream_complete(_completion_request(arrival.request.params))
+                ended = False
+                async for item in stream.items:
+                    if not ended:  # nothing goes out before the client's stream ended within the rules
+                        await arrival.finished()
+                        ended = True
+                    yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
 
     async def ChatChunks(  # noqa: N802
         self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.ChatResponse:
         with self.admission.slot("ChatChunks"):  # taken first: a mesh at capacity does not read the rows
-            request = await self._assembled_chat(request_iterator)
-            result = await self.domain.chat(_chat_request(request.params))
+            arrival = await self._arrival(request_iterator, _chat_chunked_tensors)
+            async with self._serving(arrival):
+                result = await self.domain.chat(_chat_request(arrival.request.params))
         return _response(inference_pb2.ChatResponse, result)
 
     async def StreamChatChunks(  # noqa: N802
         self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
         with self.admission.slot("StreamChatChunks"):
-            request = await self._assembled_chat(request_iterator)
-            stream = await self.domain.stream_chat(_chat_request(request.params))
-            async for item in stream.items:
-                yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
+            arrival = await self._arrival(request_iterator, _chat_chunked_tensors)
+            async with self._serving(arrival):
+                stream = await self.domain.stream_chat(_chat_request(arrival.request.params))
+                async for item in stream.items:
+                    yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
 
-    async def _assembled_chat(self, messages: AsyncIterator[Any]) -> inference_pb2.ChatRequest:
-        """A ChatChunks stream's request once every byte arrived, its parts' tensors published as the call's wire
-        views (read under the field names Chat reports them with); at most the embeddings byte cap."""
-        request, views = await pieces.assemble(messages, _chat_chunked_tensors, self.domain.limits.max_embeds_bytes)
-        tensors.set_wire_views(views)
-        return request
-
-    async def _arrival(self, messages: AsyncIterator[Any]) -> pieces.Arrival:
-        """A CompleteChunks stream once its request arrived (its tensors' bytes still arriving), at most the
-        embeddings byte cap; a big single prompt already in the model's dtype is scanned as it arrives."""
-        arrival = await pieces.start(messages, _chunked_tensors, self.domain.limits.max_embeds_bytes,
-                                     scan_for=self._streamed_scan)
+    async def _arrival(self, messages: AsyncIterator[Any], tensors_of: pieces.Tensors,
+                       scan_for: Callable[[Any], pieces.Scan | None] | None = None) -> pieces.Arrival:
+        """A pieces stream once its request arrived, at most the embeddings byte cap: with every byte too, unless
+        ``scan_for`` made its bytes checked as they arrive (then they may be used while the rest arrive)."""
+        arrival = await pieces.start(messages, tensors_of, self.domain.limits.max_embeds_bytes, scan_for=scan_for)
         if not arrival.scanned:
-            try:
-                await arrival.finished()
-            except Exception:
-                arrival.cancel()
-                raise
+            await arrival.finished()
         return arrival
 
-    @contextlib.contextmanager
-    def _over(self, arrival: pieces.Arrival) -> Iterator[None]:
-        """Serve the request over the arrival's tensors: as the call's wire views (``tensors.to_numpy`` reads them
-        under the field names Complete reports them with) and, when scanned, as rows still arriving."""
+    @contextlib.asynccontextmanager
+    async def _serving(self, arrival: pieces.Arrival) -> AsyncIterator[None]:
+        """Serve the request over the arrival's tensors — as the call's wire views (``tensors.to_numpy`` reads them
+        under the field names the one-message methods report them with) and, when scanned, as rows still arriving —
+        and end only once the client's stream ended within the rules. When that stream broke a rule, that is the
+        answer, whatever it made fail downstream."""
         tensors.set_wire_views(arrival.views)
-        with pieces.arriving(arrival) if arrival.scanned else contextlib.nullcontext():
-            yield
+        try:
+            with pieces.arriving(arrival):
+                yield
+                await arrival.finished()
+        except Exception:
+            if arrival.error is not None and not isinstance(arrival.error, asyncio.CancelledError):
+                raise arrival.error from None
+            raise
+        finally:
+            arrival.cancel()
 
     def _streamed_scan(self, request: inference_pb2.CompleteRequest) -> pieces.Scan | None:
         """For one prompt of one raw tensor of ``STREAM_MIN`` bytes or more, 2-D and already in the model's dtype
@@ -196,12 +181,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             return None
         if spec.dtype != pe.tensor.dtype or spec.hidden_size != shape[1]:
             return None
-        dtype, numpy_dtype = pe.tensor.dtype, info.numpy
-
-        def scan(index: int, data: np.ndarray) -> None:
-            check_finite(data.view(numpy_dtype), dtype, "prompt_embeds")
-
-        return scan
+        return pieces.finite_scan(spec.dtype, "prompt_embeds")
 
     async def Chat(  # noqa: N802
         self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
@@ -288,12 +268,6 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
 STREAM_MIN = 8 << 20
 """A CompleteChunks prompt tensor of at least this many bytes goes on to its worker while it arrives (see
 ``InferenceServicer._streamed_scan``); smaller ones are assembled first."""
-
-
-def _raise_stream_error(arrival: pieces.Arrival) -> None:
-    """When the client's stream broke a rule, that is the answer (whatever it made fail downstream)."""
-    if arrival.error is not None and not isinstance(arrival.error, asyncio.CancelledError):
-        raise arrival.error from None
 
 
 def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:

@@ -64,16 +64,12 @@ class ChunkedBody:
         ends this one short (the worker then refuses it as incomplete; the preprocessor answers with the client
         stream's own error)."""
         yield wire.chunk_request_message(self.request)
-        offset = 0
-        for view in self.rows:
-            for start in range(0, len(view), CHUNK_BYTES):
-                piece = view[start:start + CHUNK_BYTES]
-                try:
-                    await ready(offset + len(piece))
-                except EmbedmeshError:
-                    return
-                yield wire.chunk_rows_message(piece)
-                offset += len(piece)
+        for end, piece in wire.row_pieces(self.rows, CHUNK_BYTES):
+            try:
+                await ready(end)
+            except EmbedmeshError:
+                return
+            yield wire.chunk_rows_message(piece)
 
     async def complete(self) -> None:
         """Until every row arrived (at once unless they are still arriving)."""

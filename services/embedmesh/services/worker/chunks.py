@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
-
 from embedmesh.core import pieces, tensors, wire
-from embedmesh.core.embeds import check_finite
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["assemble", "arrive"]
+__all__ = ["arrive"]
 
 
 def _embeds(request: worker_pb2.GenerateRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
@@ -23,13 +20,6 @@ def _embeds(request: worker_pb2.GenerateRequest) -> Iterator[tuple[str, tensor_p
     for i, seg in enumerate(request.segments):
         if seg.WhichOneof("kind") == "embeds":
             yield f"segments[{i}].embeds", seg.embeds
-
-
-async def assemble(messages: AsyncIterator[worker_pb2.GenerateChunksRequest | wire.RowsPiece], max_bytes: int
-                   ) -> tuple[worker_pb2.GenerateRequest, dict[str, memoryview]]:
-    """The request of a GenerateChunks stream and its rows' bytes by field path."""
-    request, views = await pieces.assemble(messages, _embeds, max_bytes)
-    return request, views
 
 
 async def arrive(messages: AsyncIterator[worker_pb2.GenerateChunksRequest | wire.RowsPiece], max_bytes: int,
@@ -41,16 +31,8 @@ async def arrive(messages: AsyncIterator[worker_pb2.GenerateChunksRequest | wire
         kinds = [t.dtype for _, t in _embeds(request) if not len(t.data) and t.dtype in tensors.DTYPES]
         if not kinds or any(k != model_dtype for k in kinds):
             return None
-        numpy_dtype = tensors.numpy_dtype(model_dtype)
-
-        def scan(index: int, data: np.ndarray) -> None:
-            check_finite(data.view(numpy_dtype), model_dtype, "prompt_embeds")
-
-        return scan
+        return pieces.finite_scan(model_dtype, "prompt_embeds")
 
     arrival = await pieces.start(messages, _embeds, max_bytes, scan_for=scan_for)
-    try:
-        await arrival.finished()
-    finally:
-        arrival.cancel()
+    await arrival.finished()
     return arrival
