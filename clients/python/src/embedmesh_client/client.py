@@ -76,9 +76,14 @@ def _chunk_calls(channel: Any) -> dict[str, Any]:
     }
 
 
+_PIECES_REQUEST = {inference_pb2.CompletionParams: inference_pb2.CompleteRequest,
+                   inference_pb2.ChatParams: inference_pb2.ChatRequest}
+"""The request a pieces stream's first message carries, by params type (CompleteChunks, ChatChunks)."""
+
+
 class _Prepared:
     """A completion or chat whose raw tensors' bytes were kept aside (``rows``): sent in pieces when they are big
-    enough and the mesh has the method, else as one message (the bytes put back once)."""
+    enough and the mesh has the method, else as one message of ``request`` (the bytes put back once)."""
 
     def __init__(self, params: Any, rows: list[memoryview], request: Any, chunks: bool) -> None:
         self.params = params
@@ -87,8 +92,20 @@ class _Prepared:
         self.chunked = chunks and sum(len(r) for r in rows) >= CHUNKED_MIN
         self._filled = False
 
-    def pieces(self, request: Any) -> Iterator[bytes]:
-        return chunk_messages(request(params=self.params).SerializeToString(), self.rows)
+    @classmethod
+    def completion(cls, model: str, kw: dict[str, Any], request: Any, chunks: bool) -> _Prepared:
+        rows: list[memoryview] = []
+        return cls(completion_params(model, rows=rows, **kw), rows, request, chunks)
+
+    @classmethod
+    def chat(cls, model: str, messages: Sequence[dict[str, Any]], kw: dict[str, Any], request: Any,
+             chunks: bool) -> _Prepared:
+        rows: list[memoryview] = []
+        return cls(chat_params(model, messages, rows=rows, **kw), rows, request, chunks)
+
+    def pieces(self) -> Iterator[bytes]:
+        first = _PIECES_REQUEST[type(self.params)](params=self.params)
+        return chunk_messages(first.SerializeToString(), self.rows)
 
     def one(self) -> Any:
         """The request as one message (``self._request`` of the params with their tensors' data)."""
@@ -177,39 +194,33 @@ class Client:
     def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
-        rows: list[memoryview] = []
-        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.CompleteRequest, self._chunks)
-        return self._unary("CompleteChunks", p, inference_pb2.CompleteRequest,
+        p = _Prepared.completion(model, kw, inference_pb2.CompleteRequest, self._chunks)
+        return self._unary("CompleteChunks", p,
                            lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
 
     def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
-        rows: list[memoryview] = []
-        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.StreamCompleteRequest,
-                      self._chunks)
-        yield from self._streamed("StreamCompleteChunks", p, inference_pb2.CompleteRequest,
+        p = _Prepared.completion(model, kw, inference_pb2.StreamCompleteRequest, self._chunks)
+        yield from self._streamed("StreamCompleteChunks", p,
                                   lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout,
                                                                          metadata=self._md))
 
     def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
         """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        rows: list[memoryview] = []
-        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.ChatRequest, self._chunks)
-        return self._unary("ChatChunks", p, inference_pb2.ChatRequest,
+        p = _Prepared.chat(model, messages, kw, inference_pb2.ChatRequest, self._chunks)
+        return self._unary("ChatChunks", p,
                            lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
 
     def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                     **kw: Any) -> Iterator[inference_pb2.StreamChatResponse]:
-        rows: list[memoryview] = []
-        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.StreamChatRequest,
-                      self._chunks)
-        yield from self._streamed("StreamChatChunks", p, inference_pb2.ChatRequest,
+        p = _Prepared.chat(model, messages, kw, inference_pb2.StreamChatRequest, self._chunks)
+        yield from self._streamed("StreamChatChunks", p,
                                   lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md))
 
-    def _unary(self, method: str, p: _Prepared, request: Any, one: Callable[[], T]) -> T:
+    def _unary(self, method: str, p: _Prepared, one: Callable[[], T]) -> T:
         """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
         if p.chunked:
             try:
-                return self._pieces[method](p.pieces(request), timeout=self.timeout,  # type: ignore[no-any-return]
+                return self._pieces[method](p.pieces(), timeout=self.timeout,  # type: ignore[no-any-return]
                                             metadata=self._md)
             except grpc.RpcError as e:
                 if not _method_missing(e):
@@ -217,9 +228,9 @@ class Client:
                 self._chunks = False
         return self._call(one, False)
 
-    def _streamed(self, method: str, p: _Prepared, request: Any, one: Callable[[], Any]) -> Iterator[Any]:
+    def _streamed(self, method: str, p: _Prepared, one: Callable[[], Any]) -> Iterator[Any]:
         if p.chunked:
-            call = self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
+            call = self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
             try:
                 first = next(call, None)
             except grpc.RpcError as e:
@@ -419,52 +430,45 @@ class AsyncClient:
     async def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
         """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
         method gets one message."""
-        rows: list[memoryview] = []
-        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.CompleteRequest, self._chunks)
-        return await self._unary("CompleteChunks", p, inference_pb2.CompleteRequest,
+        p = _Prepared.completion(model, kw, inference_pb2.CompleteRequest, self._chunks)
+        return await self._unary("CompleteChunks", p,
                                  lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
 
     async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        rows: list[memoryview] = []
-        p = _Prepared(completion_params(model, rows=rows, **kw), rows, inference_pb2.StreamCompleteRequest,
-                      self._chunks)
+        p = _Prepared.completion(model, kw, inference_pb2.StreamCompleteRequest, self._chunks)
         async for item in self._streamed(
-                "StreamCompleteChunks", p, inference_pb2.CompleteRequest,
+                "StreamCompleteChunks", p,
                 lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout, metadata=self._md)):
             yield item
 
     async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
         """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        rows: list[memoryview] = []
-        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.ChatRequest, self._chunks)
-        return await self._unary("ChatChunks", p, inference_pb2.ChatRequest,
+        p = _Prepared.chat(model, messages, kw, inference_pb2.ChatRequest, self._chunks)
+        return await self._unary("ChatChunks", p,
                                  lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
 
     async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                           **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        rows: list[memoryview] = []
-        p = _Prepared(chat_params(model, messages, rows=rows, **kw), rows, inference_pb2.StreamChatRequest,
-                      self._chunks)
+        p = _Prepared.chat(model, messages, kw, inference_pb2.StreamChatRequest, self._chunks)
         async for item in self._streamed(
-                "StreamChatChunks", p, inference_pb2.ChatRequest,
+                "StreamChatChunks", p,
                 lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md)):
             yield item
 
-    async def _unary(self, method: str, p: _Prepared, request: Any, one: Callable[[], Any]) -> Any:
+    async def _unary(self, method: str, p: _Prepared, one: Callable[[], Any]) -> Any:
         """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
         if p.chunked:
             try:
-                return await self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
+                return await self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
             except grpc.aio.AioRpcError as e:
                 if not _method_missing(e):
                     raise from_rpc_error(e) from None
                 self._chunks = False
         return await self._call(one, False)
 
-    async def _streamed(self, method: str, p: _Prepared, request: Any,
-                        one: Callable[[], Any]) -> AsyncIterator[Any]:
+    async def _streamed(self, method: str, p: _Prepared, one: Callable[[], Any]) -> AsyncIterator[Any]:
         if p.chunked:
-            chunked = self._pieces[method](p.pieces(request), timeout=self.timeout, metadata=self._md)
+            chunked = self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
             try:
                 async for item in chunked:
                     yield item

@@ -158,11 +158,10 @@ def embed_request(model: str, inputs: str | Sequence[str] | Sequence[Sequence[in
 
 def put_messages(tensor: Any, ttl_seconds: int | None = None) -> Iterator[cache_pb2.PutRequest]:
     """A Put stream: header, then ~1 MiB chunks of the raw bytes (no message ever near gRPC's size limits)."""
-    t = to_tensor(tensor)
+    t, data = tensor_parts(tensor)  # the bytes as a view of the array: each chunk is its only copy
     header = cache_pb2.PutHeader(dtype=t.dtype, shape=t.shape)
     if ttl_seconds is not None:
         header.ttl_seconds = ttl_seconds
     yield cache_pb2.PutRequest(header=header)
-    data = memoryview(t.data)
     for i in range(0, len(data), CHUNK_BYTES):
         yield cache_pb2.PutRequest(chunk=bytes(data[i:i + CHUNK_BYTES]))
