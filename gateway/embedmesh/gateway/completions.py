@@ -25,6 +25,7 @@ from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
+from embedmesh.gateway.pieces_body import completion_call, completion_pieces
 from embedmesh.gateway.sse import DONE, DisconnectWatcher, EventStream, event
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, usage_json
 from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
@@ -190,14 +191,23 @@ def routes(gw: Gateway) -> list[Route]:
         # Decoded prompt_embeds go to ``blobs`` and are spliced into the request bytes (one copy, see wire_body).
         blobs: list[bytes] = []
         params = chat_params(body, blobs) if chat else completion_params(body, blobs)
+        # A big payload goes as pieces instead, overlapping the hops (see pieces_body)
+        pieces = None if chat else completion_pieces(params, blobs, gw.config.pieces_min_bytes)
         data = (chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)) \
-            if blobs else None
-        del blobs
+            if blobs and pieces is None else None
+
+        def one_message() -> bytes:  # the same request as one message, when the pieces call falls back
+            return completion_request_bytes(params, blobs)
+
+        if pieces is None:
+            del blobs
         stub = gw.stub
         timeout = gw.config.request_timeout_seconds
         created = int(time.time())
         if not body.get("stream"):
-            if data is not None:
+            if pieces is not None:
+                unary = completion_call(gw.channel, pieces, one_message, timeout, stream=False)
+            elif data is not None:
                 method, response = ("Chat", inference_pb2.ChatResponse) if chat else \
                     ("Complete", inference_pb2.CompleteResponse)
                 unary = raw_unary_unary(gw.channel, method, response)(data, timeout=timeout)
@@ -220,7 +230,9 @@ def routes(gw: Gateway) -> list[Route]:
             finally:
                 watcher.stop()
             return Response(orjson.dumps(_whole(resp, created, _Shape(body, chat))), media_type="application/json")
-        if data is not None:
+        if pieces is not None:
+            call = completion_call(gw.channel, pieces, one_message, timeout, stream=True)
+        elif data is not None:
             method, response = ("StreamChat", inference_pb2.StreamChatResponse) if chat else \
                 ("StreamComplete", inference_pb2.StreamCompleteResponse)
             call = raw_unary_stream(gw.channel, method, response)(data, timeout=timeout)

@@ -42,6 +42,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     max_inflight: int = 512
     """Requests in flight at once (streams until their last byte); more get 503 + Retry-After at once. 0 = no
     limit."""
+    pieces_min_bytes: int = 8 << 20
+    """A completion's one ``prompt_embeds`` payload of at least this many (decoded) bytes goes to the preprocessor
+    as a CompleteChunks stream of 1 MiB pieces, overlapping the hops (``pieces_body.py``); 0 = always one
+    message."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -50,6 +54,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
             raise ValueError("preprocessor address is required (host:port)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.pieces_min_bytes < 0:
+            raise ValueError(f"pieces_min_bytes must be >= 0, got {self.pieces_min_bytes}")
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if not self.request_timeout_seconds > 0:

@@ -35,6 +35,7 @@ __all__ = [
     "chat_request_bytes",
     "raw_unary_unary",
     "raw_unary_stream",
+    "raw_call",
 ]
 
 _LEN = 2  # wire type of length-delimited fields
@@ -142,13 +143,18 @@ def chat_request_bytes(params: inference_pb2.ChatParams, blobs: Sequence[Part]) 
 _SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
+def raw_call(channel: grpc.aio.Channel, kind: str, method: str, response: Any) -> Any:
+    """InferenceService's ``method`` (``kind``: "unary_unary", "unary_stream", "stream_unary" or "stream_stream")
+    taking message bytes as they are (no serializer)."""
+    return getattr(channel, kind)(f"/{_SERVICE}/{method}", request_serializer=None,
+                                  response_deserializer=response.FromString, _registered_method=True)
+
+
 def raw_unary_unary(channel: grpc.aio.Channel, method: str, response: Any) -> Any:
     """InferenceService's ``method`` taking request bytes as they are (no serializer)."""
-    return channel.unary_unary(f"/{_SERVICE}/{method}", request_serializer=None,
-                               response_deserializer=response.FromString, _registered_method=True)
+    return raw_call(channel, "unary_unary", method, response)
 
 
 def raw_unary_stream(channel: grpc.aio.Channel, method: str, response: Any) -> Any:
     """InferenceService's streaming ``method`` taking request bytes as they are (no serializer)."""
-    return channel.unary_stream(f"/{_SERVICE}/{method}", request_serializer=None,
-                                response_deserializer=response.FromString, _registered_method=True)
+    return raw_call(channel, "unary_stream", method, response)

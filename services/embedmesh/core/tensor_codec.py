@@ -49,7 +49,8 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensors import DTYPES, check_shape, format_dims
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["decode_tensor_bytes", "decode_torch_save", "decode_safetensors", "format_bytes", "check_cap"]
+__all__ = ["decode_tensor_bytes", "decode_torch_save", "decode_safetensors", "format_bytes", "check_cap",
+           "stored_tensor", "StoredTensor"]
 
 DEFAULT_CAP_NAME = "EMBEDMESH_MAX_EMBEDS_BYTES"
 
@@ -279,9 +280,21 @@ class _ViewFile(io.RawIOBase):
         return chunk
 
 
-def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
-                      cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
-    """Decode the bytes of ``torch.save(tensor)``; see the module docstring for the safety rules."""
+@dataclass(frozen=True)
+class _Parsed:
+    """A torch.save archive whose pickle described one tensor that passed the size and stride checks; no storage
+    bytes read yet."""
+
+    archive: zipfile.ZipFile
+    prefix: str
+    obj: _TensorRef
+    np_dtype: np.dtype
+    dtype: int
+    count: int
+    strides: tuple[int, ...]
+
+
+def _parse_torch_save(data: bytes | memoryview, max_bytes: int, field: str, cap_name: str) -> _Parsed:
     if bytes(data[:4]) != _ZIP_MAGIC:
         _refuse_unknown_container(data, field)
     try:
@@ -310,25 +323,71 @@ def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
     # has been allocated, and numpy sees a shape or a stride only once the layout is known to be in bounds.
     count = check_shape(obj.size, field)
     check_cap(field, count * np_dtype.itemsize, max_bytes, cap_name=cap_name)
-    numel = obj.storage.numel
-    storage_bytes = numel * np_dtype.itemsize
-    check_cap(field, storage_bytes, max_bytes, "storage size", cap_name=cap_name)
+    check_cap(field, obj.storage.numel * np_dtype.itemsize, max_bytes, "storage size", cap_name=cap_name)
     strides = _checked_strides(obj, count, field)
-    storage = _read_storage(archive, data, f"{prefix}data/{obj.storage.key}", storage_bytes, field)
+    return _Parsed(archive, prefix, obj, np_dtype, dtype, count, strides)
+
+
+def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
+                      cap_name: str = DEFAULT_CAP_NAME) -> tuple[np.ndarray, int]:
+    """Decode the bytes of ``torch.save(tensor)``; see the module docstring for the safety rules."""
+    p = _parse_torch_save(data, max_bytes, field, cap_name)
+    obj, np_dtype = p.obj, p.np_dtype
+    numel = obj.storage.numel
+    storage = _read_storage(p.archive, data, f"{p.prefix}data/{obj.storage.key}", numel * np_dtype.itemsize, field)
     flat = np.frombuffer(storage, dtype=np_dtype, count=numel)
-    if count == 0:
+    if p.count == 0:
         out = np.zeros(obj.size, dtype=np_dtype)
     else:
         view = np.lib.stride_tricks.as_strided(
-            flat[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in strides),
+            flat[obj.offset:], shape=obj.size, strides=tuple(s * np_dtype.itemsize for s in p.strides),
             writeable=False,
         )
         out = np.array(view, order="C", copy=True)  # the one dense copy; frees us from the request's bytes
-    if _byteorder(archive, prefix, field) == "big":
+    if _byteorder(p.archive, p.prefix, field) == "big":
         out.byteswap(inplace=True)
     if obj.negated:
-        _negate(out, dtype, field)
-    return out, dtype
+        _negate(out, p.dtype, field)
+    return out, p.dtype
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor whose values are bytes of its torch.save archive as they lie: little-endian, C order."""
+
+    data: memoryview
+    dtype: int
+    """``tensor_pb2.DataType`` (bfloat16 as raw bits, as on the wire)."""
+    shape: tuple[int, ...]
+
+
+def stored_tensor(data: bytes | memoryview, *, max_bytes: int, field: str,
+                  cap_name: str = DEFAULT_CAP_NAME) -> StoredTensor | None:
+    """The tensor of ``torch.save(tensor)`` bytes as a view of them, when its values lie there as a wire tensor's
+    would: an uncompressed little-endian storage that the tensor covers whole, from its start, in C order, not
+    negated — what ``torch.save`` of a contiguous tensor writes. None otherwise (``decode_torch_save`` then gives the
+    values). A broken or unsafe file raises the same ``InvalidArgument`` as ``decode_torch_save``; the view's values
+    are not checked here (NaN/Inf, shape against a model: the caller's rules, as for any wire tensor)."""
+    p = _parse_torch_save(data, max_bytes, field, cap_name)
+    obj = p.obj
+    if p.count == 0 or obj.negated or obj.offset != 0 or obj.storage.numel != p.count:
+        return None
+    contiguous: list[int] = []
+    step = 1
+    for d in reversed(obj.size):
+        contiguous.append(step if d > 1 else 0)
+        step *= d
+    if tuple(reversed(contiguous)) != p.strides:
+        return None
+    name = f"{p.prefix}data/{obj.storage.key}"
+    try:
+        stored = p.archive.getinfo(name).compress_type == zipfile.ZIP_STORED
+    except KeyError:
+        stored = False
+    if not stored or _byteorder(p.archive, p.prefix, field) != "little":
+        return None
+    view = _read_storage(p.archive, data, name, p.count * p.np_dtype.itemsize, field)
+    return StoredTensor(memoryview(view).cast("B"), p.dtype, tuple(int(d) for d in obj.size))
 
 
 def _checked_strides(obj: _TensorRef, count: int, field: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.tensor_codec import decode_safetensors, decode_tensor_bytes, decode_torch_save
+from embedmesh.core.tensor_codec import decode_safetensors, decode_tensor_bytes, decode_torch_save, stored_tensor
 from embedmesh.core.tensors import bf16_to_f32
 from embedmesh.tensor.v1 import tensor_pb2 as T  # noqa: N812 - T.DATA_TYPE_* reads well in tables
 
@@ -488,3 +488,79 @@ def test_views_of_received_bytes_decode_like_bytes() -> None:
         with pytest.raises(InvalidArgument) as info:
             decode(memoryview(payload()))
         assert info.value.reason == reason, name
+
+
+# --- stored_tensor: the values read in place (the gateway's pieces path) ----------------------------------------
+
+
+def _stored(data: bytes) -> Any:
+    return stored_tensor(data, max_bytes=CAP, field=FIELD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("shape", [(7, 5), (1, 7, 5), (3, 1, 4), (9,)])
+def test_stored_tensor_views_a_contiguous_tensor_as_decode_torch_save_reads_it(dtype: torch.dtype,
+                                                                               shape: tuple[int, ...]) -> None:
+    t = (torch.arange(int(np.prod(shape)), dtype=torch.float32) * 0.25 - 3).to(dtype).reshape(shape)
+    data = saved(t)
+    got = _stored(data)
+    arr, want_dtype = decode_torch_save(data, max_bytes=CAP, field=FIELD)
+    assert got is not None
+    assert got.dtype == want_dtype == TORCH_DTYPES[dtype] and got.shape == shape
+    assert bytes(got.data) == arr.tobytes()  # the same bytes a decode gives, in C order
+    # a view of the payload, not a copy of it
+    start = data.find(bytes(got.data[:16]))
+    assert start > 0 and np.frombuffer(got.data, np.uint8).ctypes.data == np.frombuffer(data, np.uint8).ctypes.data \
+        + start
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(35, dtype=torch.float32).reshape(5, 7).t(),   # transposed: strides not C order
+    lambda: torch.arange(40, dtype=torch.float32).reshape(8, 5)[2:6],  # a slice: the storage holds more
+    lambda: torch.arange(40, dtype=torch.float32)[1:],                  # an offset into the storage
+    lambda: torch.arange(40, dtype=torch.float32).reshape(8, 5)[:, :3],  # rows with gaps
+    lambda: torch.arange(12, dtype=torch.float32)._neg_view(),          # lazily negated values
+    lambda: torch.zeros(0, 4),                                          # no values
+])
+def test_stored_tensor_declines_layouts_whose_values_are_not_the_stored_bytes(make: Any) -> None:
+    data = saved(make())
+    assert _stored(data) is None
+    arr, _ = decode_torch_save(data, max_bytes=CAP, field=FIELD)  # which decode still reads
+    assert arr.shape == tuple(make().shape)
+
+
+def test_stored_tensor_declines_big_endian_and_compressed_archives() -> None:
+    assert _stored(forged_tensor((2, 3), (3, 1), byteorder=b"little")) is not None
+    assert _stored(forged_tensor((2, 3), (3, 1), byteorder=b"big")) is None
+    src = zipfile.ZipFile(io.BytesIO(saved(torch.ones(4, 4))))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for name in src.namelist():
+            z.writestr(name, src.read(name))
+    assert _stored(buf.getvalue()) is None
+    arr, _ = decode_torch_save(buf.getvalue(), max_bytes=CAP, field=FIELD)
+    assert arr.shape == (4, 4) and float(arr.sum()) == 16.0
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (b"PK\x03\x04 not really a zip", "NOT_A_TENSOR"),
+    (pickle.dumps([1, 2]), "LEGACY_FORMAT"),
+    (forge(_Call(os.system, "true")), "UNSAFE_PICKLE"),
+    (forged_tensor((2, 3), (3, 1), numel=4), "NOT_A_TENSOR"),
+])
+def test_stored_tensor_refuses_what_decode_torch_save_refuses_with_the_same_error(payload: bytes,
+                                                                                   reason: str) -> None:
+    with pytest.raises(InvalidArgument) as mine:
+        _stored(payload)
+    with pytest.raises(InvalidArgument) as theirs:
+        decode_torch_save(payload, max_bytes=CAP, field=FIELD)
+    assert mine.value.reason == theirs.value.reason == reason
+    assert mine.value.field == FIELD and str(mine.value) == str(theirs.value)
+    assert not os.path.exists(MARKER)
+
+
+def test_stored_tensor_checks_the_cap_before_reading() -> None:
+    data = saved(torch.ones(64, 64))
+    with pytest.raises(InvalidArgument) as e:
+        stored_tensor(data, max_bytes=1024, field=FIELD)
+    assert e.value.reason == "TOO_LARGE"
