@@ -12,6 +12,8 @@ killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event l
   L3  L1's stream_unary sink receiving the 64 MiB tensor as 1 MiB chunks.
   L4  in this process: orjson.loads of the REST JSON body + pybase64.b64decode + numpy.frombuffer.
   L5  L1's unary sink receiving the 64 MiB tensor as one message (512 MiB message limits on both sides).
+  L6  L2's app receiving the REST ingest body over HTTP and doing L4's work on it (orjson + pybase64): the same
+      shape as the mesh's REST ingest up to the gateway, for context beside the goal's L4.
 
 Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo", hidden size 576):
 
@@ -20,7 +22,7 @@ Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo",
   stream    64 concurrent streaming clients, max_tokens=256 each: StreamComplete and SSE vs L1's relay of 256
             one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events), tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
-            base64 of torch.save vs L3 / L4 (and L5). MB/s of tensor bytes, median of the runs. Each payload is
+            base64 of torch.save vs L3 / L4 (and L5, L6). MB/s of tensor bytes, median of the runs. Each payload is
             built once before timing, so the figures measure transport and decoding, not the client's encoding.
 
 Runs are interleaved (limit, mesh, limit, mesh, ...) in rounds so that load from other work on the machine hits
@@ -168,8 +170,16 @@ def _serve_http(port: int) -> None:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    async def decode(request: Request) -> Response:
+        # L6: the REST ingest's JSON/base64 work (L4) behind the same HTTP receive the gateway does.
+        import pybase64
+
+        body = orjson.loads(await request.body())
+        data = pybase64.b64decode(body["prompt_embeds"], validate=True)
+        return Response(orjson.dumps({"bytes": len(data)}), media_type="application/json")
+
     app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
-                            Route("/sse", sse, methods=["POST"])])
+                            Route("/sse", sse, methods=["POST"]), Route("/decode", decode, methods=["POST"])])
     uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="off")
 
 
@@ -520,7 +530,7 @@ def chunks_of(data: bytes, size: int) -> Iterator[bytes]:
         yield bytes(view[i:i + size])
 
 
-async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[str, Any]:
+async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, repeats: int) -> dict[str, Any]:
     import grpc
     import httpx
     import orjson
@@ -566,6 +576,7 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[s
         dec.append(time.perf_counter() - t0)
 
     async with httpx.AsyncClient(base_url=mesh.base_url, timeout=300) as http, \
+            httpx.AsyncClient(base_url=f"http://{bare_http.address}", timeout=300) as bare_h, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options(512 * MiB)) as bare_ch:
         complete_raw = ch.unary_unary("/embedmesh.inference.v1.InferenceService/Complete", request_serializer=None,
@@ -598,6 +609,10 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[s
             r = await complete_chunks(iter(chunk_msgs))  # built before timing, as the bare limits' payloads are
             assert r.usage.completion_tokens == 1
 
+        async def bare_http_decode() -> None:
+            r = await bare_h.post("/decode", content=rest_body, headers={"content-type": "application/json"})
+            assert r.status_code == 200 and r.json()["bytes"] == len(saved), r.text
+
         async def mesh_rest() -> None:
             r = await http.post("/v1/completions", content=rest_body, headers={"content-type": "application/json"})
             assert r.status_code == 200, r.text
@@ -612,6 +627,7 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[s
                  "bare_one": ("L5 bare grpc unary, one 64 MiB message", bare_one),
                  "mesh_grpc": ("mesh gRPC raw Tensor bytes, one message", mesh_grpc),
                  "mesh_grpc_chunks": ("mesh gRPC CompleteChunks, 1 MiB pieces", mesh_grpc_chunks),
+                 "bare_http_decode": ("L6 bare Starlette route: body + L4's work", bare_http_decode),
                  "mesh_rest": ("mesh REST base64 torch.save", mesh_rest)}
         for _, fn in paths.values():  # warm-up
             await fn()
@@ -625,12 +641,14 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[s
     res["mesh_grpc_chunks"]["pct_of_limit"] = 100 * res["mesh_grpc_chunks"]["mb_s"] / res["bare_chunked"]["mb_s"]
     res["mesh_grpc"]["pct_of_one_message"] = 100 * res["mesh_grpc"]["mb_s"] / res["bare_one"]["mb_s"]
     res["mesh_rest"]["pct_of_limit"] = 100 * res["mesh_rest"]["mb_s"] / res["bare_decode"]["mb_s"]
+    res["mesh_rest"]["pct_of_http"] = 100 * res["mesh_rest"]["mb_s"] / res["bare_http_decode"]["mb_s"]
     labels = {"bare_chunked": paths["bare_chunked"][0], "bare_one": paths["bare_one"][0],
               "bare_decode": "L4 in-process orjson+b64decode+frombuffer",
               "mesh_grpc": paths["mesh_grpc"][0], "mesh_grpc_chunks": paths["mesh_grpc_chunks"][0],
-              "mesh_rest": paths["mesh_rest"][0]}
+              "bare_http_decode": paths["bare_http_decode"][0], "mesh_rest": paths["mesh_rest"][0]}
     print(f"  {'path':<44} {'median ms':>10} {'MB/s':>8}   mesh/limit")
-    for k in ("bare_chunked", "bare_one", "mesh_grpc_chunks", "mesh_grpc", "bare_decode", "mesh_rest"):
+    for k in ("bare_chunked", "bare_one", "mesh_grpc_chunks", "mesh_grpc", "bare_decode", "bare_http_decode",
+              "mesh_rest"):
         s = res[k]
         extra = ""
         if k == "mesh_grpc":
@@ -638,7 +656,7 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, repeats: int) -> dict[s
         elif k == "mesh_grpc_chunks":
             extra = f"   {s['pct_of_limit']:.0f} % of L3 (the same shape: 1 MiB pieces)"
         elif k == "mesh_rest":
-            extra = f"   {s['pct_of_limit']:.0f} % of L4"
+            extra = f"   {s['pct_of_limit']:.0f} % of L4, {s['pct_of_http']:.0f} % of L6"
         print(f"  {labels[k]:<44} {s['median_ms']:10.1f} {s['mb_s']:8.0f}{extra}")
     print(" goals:")
     goals = {
@@ -687,7 +705,7 @@ def main() -> int:
 
     quick = a.quick
     print(f"fast-path benchmark: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start, "
-          f"{'quick' if quick else 'full'} run; limits L1..L5 measured in this run")
+          f"{'quick' if quick else 'full'} run; limits L1..L6 measured in this run")
     result: dict[str, Any] = {"quick": quick, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0]}
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -711,7 +729,7 @@ def main() -> int:
             result["stream"] = asyncio.run(bench_stream(mesh, bare_grpc, bare_http, per_client=2 if quick else 4,
                                                         n_rounds=2 if quick else 5))
         if "ingest" in parts:
-            result["ingest"] = asyncio.run(bench_ingest(mesh, bare_grpc, repeats=3 if quick else 9))
+            result["ingest"] = asyncio.run(bench_ingest(mesh, bare_grpc, bare_http, repeats=3 if quick else 9))
     result["loadavg_end"] = os.getloadavg()[0]
     result["seconds"] = time.perf_counter() - started
     goals = {k: v for sec in SECTIONS if sec in result for k, v in result[sec]["goals"].items()}
