@@ -1,5 +1,9 @@
 """One SQL connection (SQLite or PostgreSQL) driven from one thread, so the asyncio loop never blocks on I/O and
-statements never interleave. SQL is written with ``?`` placeholders and rewritten to ``%s`` for psycopg."""
+statements never interleave. SQL is written with ``?`` placeholders and rewritten to ``%s`` for psycopg.
+
+For SQLite files, ``reading()`` gives any other thread its own connection for read-only statements (WAL: it reads
+while the writer writes and sees every committed write), so a search can read the rows it needs in the thread that
+searched the index, without queueing behind writes or crossing to the database thread."""
 
 from __future__ import annotations
 
@@ -20,11 +24,15 @@ class Database:
     """``dialect`` is "sqlite" or "postgres". Use ``await db.run(fn)`` to call a synchronous ``fn(db)`` on the
     database thread; inside it, ``execute``/``query``/``transaction``."""
 
-    def __init__(self, dialect: Literal["sqlite", "postgres"], conn: Any) -> None:
+    def __init__(self, dialect: Literal["sqlite", "postgres"], conn: Any, path: str = "") -> None:
         self.dialect = dialect
         self._conn = conn
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vs-db-{dialect}")
         self._local = threading.local()
+        self._path = path
+        """The SQLite file (readers open it too); empty for PostgreSQL and in-memory databases."""
+        self._readers: list[Database] = []
+        self._readers_lock = threading.Lock()
 
     @classmethod
     def sqlite(cls, path: str) -> Database:
@@ -33,7 +41,30 @@ class Database:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        return cls("sqlite", conn)
+        return cls("sqlite", conn, "" if path == ":memory:" or path.startswith("file:") else path)
+
+    @property
+    def has_readers(self) -> bool:
+        """Whether ``reading`` gives other threads connections of their own."""
+        return bool(self._path)
+
+    def reading(self) -> Database | None:
+        """A Database on this thread's own read-only connection to the same SQLite file (opened on first use, kept
+        for the thread), to run read-only statements from the calling thread directly — not through ``run``.
+        None for PostgreSQL and in-memory SQLite (their reads stay on ``run``)."""
+        if not self._path:
+            return None
+        reader: Database | None = getattr(self._local, "reader", None)
+        if reader is None:
+            conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+            conn.execute("PRAGMA query_only=ON")
+            reader = Database.__new__(Database)
+            reader.dialect, reader._conn, reader._path = "sqlite", conn, ""
+            reader._local, reader._readers = threading.local(), []
+            with self._readers_lock:
+                self._readers.append(reader)
+            self._local.reader = reader
+        return reader
 
     @classmethod
     def postgres(cls, dsn: str) -> Database:
@@ -99,4 +130,8 @@ class Database:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        with self._readers_lock:
+            readers, self._readers = self._readers, []
+        for reader in readers:
+            reader._conn.close()
         self._conn.close()

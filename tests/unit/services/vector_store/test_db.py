@@ -94,3 +94,54 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys(tmp_path: Path) -> None:
             d.execute("INSERT INTO c (id, p) VALUES (1, 42)")
     finally:
         d.close()
+
+
+def test_a_reader_of_its_own_per_thread_sees_committed_writes_and_cannot_write(tmp_path: Path) -> None:
+    d = Database.sqlite(str(tmp_path / "r.db"))
+    d.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT NOT NULL)")
+    assert d.has_readers
+    seen: dict[str, Any] = {}
+
+    def reader_thread() -> None:
+        r = d.reading()
+        assert r is not None and r is d.reading()  # one per thread, kept
+        seen["before"] = r.query("SELECT name FROM t")
+        seen["conn"] = r.connection
+        go.set()
+        written.wait(5)
+        seen["after"] = r.query("SELECT name FROM t ORDER BY id")  # the writer's commit is visible at once
+        try:
+            r.execute("INSERT INTO t (id, name) VALUES (9, 'no')")
+        except Exception as e:  # noqa: BLE001
+            seen["write"] = e
+
+    go, written = threading.Event(), threading.Event()
+    t = threading.Thread(target=reader_thread)
+    t.start()
+    go.wait(5)
+    with d.transaction():
+        d.execute("INSERT INTO t (id, name) VALUES (1, 'a')")
+        d.execute("INSERT INTO t (id, name) VALUES (2, 'b')")
+    written.set()
+    t.join(5)
+    assert seen["before"] == [] and seen["after"] == [("a",), ("b",)]
+    assert "readonly" in str(seen["write"]) or "read-only" in str(seen["write"])
+    assert d.query("SELECT COUNT(*) FROM t") == [(2,)]
+    other = d.reading()  # this thread's own, not the other thread's
+    assert other is not None and other.connection is not seen["conn"]
+    d.close()
+    import sqlite3
+
+    with pytest.raises(sqlite3.ProgrammingError):  # closed with the database
+        seen["conn"].execute("SELECT 1")
+
+
+def test_no_readers_without_a_file_to_share(tmp_path: Path) -> None:
+    mem = Database.sqlite(":memory:")
+    assert not mem.has_readers and mem.reading() is None
+    mem.close()
+
+
+def test_postgres_reads_stay_on_the_database_thread(db: Database) -> None:
+    assert db.has_readers == (db.dialect == "sqlite")
+    assert (db.reading() is None) == (db.dialect == "postgres")

@@ -8,8 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from embedmesh.core.errors import FailedPrecondition
 from embedmesh.services.vector_store.config import VectorStoreConfig
 from embedmesh.services.vector_store.vector_stores import SEARCH_TOUCH_SECONDS, VectorStores, build
 
@@ -51,3 +53,21 @@ async def test_a_search_leaves_a_recent_record_alone(api: VectorStores) -> None:
     await _set_last_active(api, store_id, recent)
     await api.search(store_id, ["rockets"], None, None, 5, "auto", None, False)
     assert (await api.get_store(store_id)).last_active_at == recent
+
+
+@pytest.mark.parametrize("by", ["text", "vector"])
+async def test_a_search_by_text_or_vector_records_old_activity_and_refuses_an_expired_store(
+        api: VectorStores, by: str) -> None:
+    store_id = await _store(api)
+    queries, vector = (["rockets"], None) if by == "text" else ([], np.ones(api.embedder.dimensions, np.float32))
+    old = int(time.time()) - SEARCH_TOUCH_SECONDS - 3600
+    await _set_last_active(api, store_id, old)
+    _, hits = await api.search(store_id, queries, vector, None, 5, "auto", None, False)
+    assert hits
+    assert (await api.get_store(store_id)).last_active_at >= int(time.time()) - 5
+    # expired: a day's expiry counted from two days ago
+    await api.db.run(api.db.execute, "UPDATE vs_stores SET expires_days = 1 WHERE id = ?", [store_id])
+    await _set_last_active(api, store_id, int(time.time()) - 2 * 86400)
+    with pytest.raises(FailedPrecondition) as info:
+        await api.search(store_id, queries, vector, None, 5, "auto", None, False)
+    assert (info.value.field, info.value.reason) == ("vector_store_id", "VECTOR_STORE_EXPIRED")

@@ -183,3 +183,47 @@ async def test_another_tenants_ids_are_unknown(api: VectorStores) -> None:
         assert info.value.field
     with principal_scope(Principal("alpha")):
         assert [s.id for s in (await api.list_stores(PageRequest())).data] == [store.id]
+
+
+async def test_unfiltered_searches_in_one_thread_hop_answer_as_hop_by_hop(api: VectorStores) -> None:
+    """SQLite + the embedded graph: an unfiltered search reads its rows in the thread that searched the index (and a
+    search by vector looks its store up there too); the answers and the refusals are those of the hop-by-hop path."""
+    store_id, _ = await _ready_store(api)
+    assert api._one_hop == (api.config.backend == "embedded")
+    runs = 0
+    real_run = api.db.run
+
+    async def counting_run(fn, *args):  # type: ignore[no-untyped-def]
+        nonlocal runs
+        runs += 1
+        return await real_run(fn, *args)
+
+    api.db.run = counting_run  # type: ignore[method-assign]
+    v = bag_of_words("bananas yellow fruit")
+    searches = [(["rockets orbit", "apples pears"], None, 10, None), (["apples"], None, 1, None),
+                ([], v, 5, None), ([], v, 5, 0.99)]
+    fast = []
+    for queries, vector, k, cut in searches:
+        before = runs
+        fast.append(await api.search(store_id, queries, vector, None, k, "auto", cut, False))
+        hops = runs - before
+        if api._one_hop:  # a text search looks its store up on the database thread; a vector search does not
+            assert hops == (1 if queries else 0), (queries, hops)
+    refusals = []
+    with principal_scope(Principal("someone-else")):
+        with pytest.raises(NotFound) as nf:
+            await api.search(store_id, [], v, None, 5, "auto", None, False)
+        refusals.append((nf.value.field, nf.value.reason))
+    with pytest.raises(InvalidArgument) as bad:
+        await api.search(store_id, [], np.ones(7, np.float32), None, 5, "auto", None, False)
+    refusals.append((bad.value.field, bad.value.reason))
+    api._one_hop = False
+    slow = [await api.search(store_id, q, vec, None, k, "auto", cut, False) for q, vec, k, cut in searches]
+    assert fast == slow and all(hits for _, hits in fast[:3])
+    with principal_scope(Principal("someone-else")):
+        with pytest.raises(NotFound) as nf:
+            await api.search(store_id, [], v, None, 5, "auto", None, False)
+    with pytest.raises(InvalidArgument) as bad:
+        await api.search(store_id, [], np.ones(7, np.float32), None, 5, "auto", None, False)
+    assert refusals == [(nf.value.field, nf.value.reason), (bad.value.field, bad.value.reason)]
+    assert refusals == [("vector_store_id", "VECTOR_STORE_NOT_FOUND"), ("query_embedding", "DIMENSION_MISMATCH")]

@@ -44,5 +44,10 @@ class VectorIndex(ABC):
         """Up to ``k`` nearest chunks to the unit vector ``query``. With a filter, only chunks of files that pass:
         ``flt`` for backends that push filters down, ``allowed`` (file id -> chunk count) for the others."""
 
+    def search_now(self, store_id: str, query: np.ndarray, k: int) -> list[Hit] | None:
+        """``search`` without a filter, run in the calling thread, when the backend can answer without I/O or
+        loading anything (an index already in memory); None when it cannot (then ``search`` it). Thread-safe."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Persist and release."""

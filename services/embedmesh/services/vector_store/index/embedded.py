@@ -205,6 +205,14 @@ class EmbeddedIndex(VectorIndex):
         top = np.argsort(-scores)[:k]
         return [(labels[i], float(scores[i])) for i in top]
 
+    def search_now(self, store_id: str, query: np.ndarray, k: int) -> list[Hit] | None:
+        """An unfiltered search of a graph already loaded, in the calling thread (the graph's lock held)."""
+        g = self._graphs.get(store_id)
+        if g is None:
+            return None
+        hits, _ = self._search(g, np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1), k, None)
+        return hits
+
     def _search(self, g: _Graph, q: np.ndarray, k: int,
                 allowed: dict[str, int] | None) -> tuple[list[Hit] | None, list[int]]:
         """Hits, or (None, labels) when the caller should search those labels exactly."""
