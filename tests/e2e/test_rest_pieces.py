@@ -68,6 +68,7 @@ def post(mesh: Mesh, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{mesh.base_url}/v1/completions", json={"model": "echo", "prompt": "", **body}, timeout=120)
 
 
+
 def grew(before: dict[str, float], after: dict[str, float], method: str) -> float:
     return after.get(method, 0.0) - before.get(method, 0.0)
 
@@ -98,6 +99,13 @@ def test_small_payloads_and_other_layouts_still_go_as_one_message(emesh: Mesh) -
     assert transposed.json()["usage"]["prompt_tokens"] == ROWS and wide.json()["usage"]["prompt_tokens"] == 2200
     after = calls(emesh)
     assert grew(before, after, "Complete") == 3 and grew(before, after, "CompleteChunks") == 0
+
+
+def test_a_big_payload_for_an_unknown_model_is_refused_as_a_small_one(emesh: Mesh) -> None:
+    big = post(emesh, {"model": "no-such-model", "prompt_embeds": b64(rows()), "max_tokens": 2})
+    small = post(emesh, {"model": "no-such-model", "prompt_embeds": b64(rows(10)), "max_tokens": 2})
+    assert big.status_code == small.status_code != 200, (big.text, small.text)
+    assert big.json()["error"] == small.json()["error"] and big.json()["error"]["param"] == "model"
 
 
 def test_a_bfloat16_payload_goes_as_pieces_and_is_cast_like_one_message(emesh: Mesh) -> None:
