@@ -147,3 +147,50 @@ def test_a_broken_big_payload_is_refused_as_the_one_message_path_refuses_it(emes
         one = post(emesh, {"prompt_embeds": b64(small), "max_tokens": 2})
         assert one.status_code == 400 and one.json()["error"] == big.json()["error"]
     assert completed(emesh) == done  # nothing generated
+
+
+def chat(mesh: Mesh, *payloads: torch.Tensor, stream: bool = False) -> httpx.Response:
+    content = [{"type": "prompt_embeds", "data": b64(p)} for p in payloads]
+    return httpx.post(f"{mesh.base_url}/v1/chat/completions", timeout=120, json={
+        "model": "echo", "max_tokens": 2, "stream": stream,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "look:"}, *content]}]})
+
+
+def test_a_chat_with_big_payloads_goes_as_pieces_and_is_answered_as_before(emesh: Mesh) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{emesh.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    before = calls(emesh)
+    got = client.chat.completions.create(model="echo", max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "prompt_embeds", "data": b64(rows(2500))},  # type: ignore[list-item, misc]
+        {"type": "prompt_embeds", "data": b64(rows(2000, seed=3))}]}])  # type: ignore[list-item, misc]
+    assert got.choices[0].message.content == "xx" and got.usage is not None
+    streamed = chat(emesh, rows(4000), stream=True)
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    after = calls(emesh)
+    assert grew(before, after, "ChatChunks") == 1 and grew(before, after, "StreamChatChunks") == 1
+    assert grew(before, after, "Chat") == 0 and grew(before, after, "StreamChat") == 0
+    # the same conversation as one message (small) counts its prompt the same way per row
+    small = chat(emesh, rows(10))
+    assert small.status_code == 200
+    big = chat(emesh, rows(4000))
+    assert big.json()["usage"]["prompt_tokens"] - small.json()["usage"]["prompt_tokens"] == 4000 - 10
+
+
+@pytest.mark.parametrize("case", ["nan", "over the cap"])
+def test_a_broken_big_chat_payload_is_refused_as_the_one_message_path_refuses_it(emesh: Mesh, case: str) -> None:
+    t = rows(11000) if case == "over the cap" else rows()
+    if case == "nan":
+        t[2000, 7] = float("nan")
+    done = completed(emesh)
+    big = chat(emesh, t)
+    assert big.status_code == 400, big.text
+    err = big.json()["error"]
+    assert err["param"] == "messages[0].content[1]" and err["code"] == ("non_finite" if case == "nan" else "too_large")
+    if case == "nan":
+        small = t[1990:2010].clone()
+        one = chat(emesh, small)
+        assert one.status_code == 400 and one.json()["error"] == err
+    else:
+        assert "EMBEDMESH_MAX_EMBEDS_BYTES" in err["message"]
+    assert completed(emesh) == done

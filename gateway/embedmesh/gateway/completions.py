@@ -25,7 +25,7 @@ from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
-from embedmesh.gateway.pieces_body import completion_call, completion_pieces
+from embedmesh.gateway.pieces_body import chat_pieces, completion_pieces, pieces_call
 from embedmesh.gateway.sse import DONE, DisconnectWatcher, EventStream, event
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, usage_json
 from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
@@ -191,13 +191,14 @@ def routes(gw: Gateway) -> list[Route]:
         # Decoded prompt_embeds go to ``blobs`` and are spliced into the request bytes (one copy, see wire_body).
         blobs: list[bytes] = []
         params = chat_params(body, blobs) if chat else completion_params(body, blobs)
-        # A big payload goes as pieces instead, overlapping the hops (see pieces_body)
-        pieces = None if chat else completion_pieces(params, blobs, gw.config.pieces_min_bytes)
+        # Big payloads go as pieces instead (see pieces_body)
+        pieces = (chat_pieces if chat else completion_pieces)(params, blobs, gw.config.pieces_min_bytes) \
+            if blobs else None
         data = (chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)) \
             if blobs and pieces is None else None
 
         def one_message() -> bytes:  # the same request as one message, when the pieces call falls back
-            return completion_request_bytes(params, blobs)
+            return chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)
 
         if pieces is None:
             del blobs
@@ -206,7 +207,7 @@ def routes(gw: Gateway) -> list[Route]:
         created = int(time.time())
         if not body.get("stream"):
             if pieces is not None:
-                unary = completion_call(gw.channel, pieces, one_message, timeout, stream=False)
+                unary = pieces_call(gw.channel, pieces, one_message, timeout, chat=chat, stream=False)
             elif data is not None:
                 method, response = ("Chat", inference_pb2.ChatResponse) if chat else \
                     ("Complete", inference_pb2.CompleteResponse)
@@ -231,7 +232,7 @@ def routes(gw: Gateway) -> list[Route]:
                 watcher.stop()
             return Response(orjson.dumps(_whole(resp, created, _Shape(body, chat))), media_type="application/json")
         if pieces is not None:
-            call = completion_call(gw.channel, pieces, one_message, timeout, stream=True)
+            call = pieces_call(gw.channel, pieces, one_message, timeout, chat=chat, stream=True)
         elif data is not None:
             method, response = ("StreamChat", inference_pb2.StreamChatResponse) if chat else \
                 ("StreamComplete", inference_pb2.StreamCompleteResponse)

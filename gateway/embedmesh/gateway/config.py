@@ -43,8 +43,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     """Requests in flight at once (streams until their last byte); more get 503 + Retry-After at once. 0 = no
     limit."""
     pieces_min_bytes: int = 8 << 20
-    """A completion's one ``prompt_embeds`` payload of at least this many (decoded) bytes goes to the preprocessor
-    as a CompleteChunks stream of 1 MiB pieces, overlapping the hops (``pieces_body.py``); 0 = always one
+    """Requests whose torch.save ``prompt_embeds`` payloads hold at least this many bytes of values go to the
+    preprocessor as a CompleteChunks / ChatChunks stream of 1 MiB pieces (``pieces_body.py``); 0 = always one
     message."""
 
     def __post_init__(self) -> None:

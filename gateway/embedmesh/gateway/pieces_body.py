@@ -1,22 +1,25 @@
-"""A completion whose one ``prompt_embeds`` payload is big goes to the preprocessor as a ``CompleteChunks`` stream
-(``StreamCompleteChunks`` for ``stream: true``): the request with the tensor's dtype and shape, then its values in
-1 MiB pieces, each copied once just before gRPC sends it — instead of one message holding the whole payload.
+"""Big ``prompt_embeds`` payloads go to the preprocessor as a pieces stream instead of one message: a completion's
+as ``CompleteChunks`` (``StreamCompleteChunks`` for ``stream: true``), a chat's as ``ChatChunks`` /
+``StreamChatChunks`` — the request with each tensor's dtype and shape, then the tensors' values in 1 MiB pieces,
+each copied once just before gRPC sends it.
 
 Why: sent as one message, a 64 MiB payload is joined into the request bytes, copied again by gRPC, received whole by
-the preprocessor before anything starts, hashed for the encoder cache and decoded there. As pieces of a raw tensor
-already in the model's dtype (what ``torch.save`` of a float tensor holds), the preprocessor checks each piece as it
-arrives and forwards it to the worker at once (``core/pieces.py``, ``InferenceServicer._streamed_scan``), so the
-gateway's send, the preprocessor's checks and the worker's receive overlap. The encoder cache is not used for such a
-payload: a hit would still cost hashing every byte, more than the per-piece check it saves.
+the preprocessor before anything starts, hashed for the encoder cache and decoded there. As pieces of raw tensors
+(what ``torch.save`` of a float tensor holds), the preprocessor lays them out as they arrive; a completion's one
+tensor already in the model's dtype is even checked piece by piece and forwarded to the worker at once
+(``core/pieces.py``, ``InferenceServicer._streamed_scan``), so the gateway's send, the preprocessor's checks and the
+worker's receive overlap (a chat's tensors are assembled first). The encoder cache is not used for such payloads: a
+hit would still cost hashing every byte, as much as the NaN/Inf check it saves.
 
-Taken only when the answer is the same as the one-message path's: one ``prompt_embeds`` entry and no prefix (the
-chat route keeps its one message), a payload of at least ``min_bytes`` whose ``torch.save`` archive the mesh's own
-restricted reader (``core.tensor_codec.stored_tensor``) accepts and whose values lie in it as a wire tensor's would,
-in a float dtype. Everything else — other containers, views, big-endian files, anything the reader refuses — goes
-as before, and the preprocessor words the error as it always did. The rules on the values (shape against the model,
-NaN/Inf, the byte cap) are the preprocessor's, under the same field name (``prompt_embeds``); the one difference in
-wording, the byte cap (checked on the declared shape, ``prompt_embeds.shape``), makes the caller send the request
-again as one message (``fall_back``), so the client sees the error the one-message path gives.
+Taken only when the answer is the same as the one-message path's: a completion with one ``prompt_embeds`` entry and
+no prefix, or a chat whose every ``prompt_embeds`` payload qualifies (upload ids stay as they are), with at least
+``min_bytes`` of values in all; each payload a ``torch.save`` archive that the mesh's own restricted reader
+(``core.tensor_codec.stored_tensor``) accepts and whose values lie in it as a wire tensor's would, in a float dtype.
+Everything else — other containers, views, big-endian files, anything the reader refuses — goes as before, and the
+preprocessor words the error as it always did. The rules on the values (shape against the model, NaN/Inf, the byte
+cap) are the preprocessor's, under the same field names (``prompt_embeds``, ``messages[i].content[j]``); the one
+difference in wording, the byte cap (checked on the declared shape, ``<field>.shape``), makes the caller send the
+request again as one message (``fall_back``), so the client sees the error the one-message path gives.
 """
 
 from __future__ import annotations
@@ -28,85 +31,120 @@ from typing import Any
 import grpc
 
 from embedmesh.core.errors import answered_by_peer, from_rpc_error
-from embedmesh.core.tensor_codec import stored_tensor
+from embedmesh.core.tensor_codec import StoredTensor, stored_tensor
 from embedmesh.core.wire import varint
 from embedmesh.gateway.wire_body import raw_call
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["PIECE_BYTES", "PiecesBody", "PiecesCall", "completion_pieces", "completion_call", "fall_back"]
+__all__ = ["PIECE_BYTES", "PiecesBody", "PiecesCall", "completion_pieces", "chat_pieces", "pieces_call", "fall_back"]
 
 PIECE_BYTES = 1 << 20
 """Bytes of tensor values per message."""
 
 _FLOATS = frozenset({tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16, tensor_pb2.DATA_TYPE_BF16})
-_FIELD = "prompt_embeds"
 
 
 def _key(message: type, name: str) -> bytes:
     return varint((message.DESCRIPTOR.fields_by_name[name].number << 3) | 2)  # type: ignore[attr-defined]
 
 
+# CompleteChunksRequest and ChatChunksRequest: oneof part { request = 1; bytes rows = 2; }
 _REQUEST = _key(inference_pb2.CompleteChunksRequest, "request")
 _ROWS = _key(inference_pb2.CompleteChunksRequest, "rows")
+assert (_REQUEST, _ROWS) == (_key(inference_pb2.ChatChunksRequest, "request"),
+                             _key(inference_pb2.ChatChunksRequest, "rows"))
 
 
 @dataclass(frozen=True)
 class PiecesBody:
-    """A ``CompleteRequest`` (serialized) whose one tensor carries no data, and that tensor's values."""
+    """A request (serialized) whose tensors carry no data, and those tensors' values in order."""
 
     request: bytes
-    values: memoryview
+    values: tuple[memoryview, ...]
 
     def messages(self) -> Iterator[bytes]:
-        """The stream's messages as bytes: the request, then the values in pieces of ``PIECE_BYTES``, each copied
-        once when gRPC asks for it."""
+        """The stream's messages as bytes: the request, then each tensor's values in pieces of ``PIECE_BYTES``,
+        each copied once when gRPC asks for it."""
         yield b"".join((_REQUEST, varint(len(self.request)), self.request))
-        values = self.values
-        for start in range(0, len(values), PIECE_BYTES):
-            piece = values[start:start + PIECE_BYTES]
-            yield b"".join((_ROWS, varint(len(piece)), piece))
+        for values in self.values:
+            for start in range(0, len(values), PIECE_BYTES):
+                piece = values[start:start + PIECE_BYTES]
+                yield b"".join((_ROWS, varint(len(piece)), piece))
 
 
-def completion_pieces(params: inference_pb2.CompletionParams, blobs: Sequence[bytes | memoryview],
-                      min_bytes: int) -> PiecesBody | None:
-    """``params`` (built with ``blobs``, see ``wire_body``) as a pieces stream, or None when it goes as one message
-    (see the module docstring for when)."""
-    if min_bytes <= 0 or len(params.prompt_embeds) != 1 or params.HasField("prefix"):
-        return None
-    pe = params.prompt_embeds[0]
+def _stored(pe: inference_pb2.PromptEmbeds, blobs: Sequence[bytes | memoryview]) -> StoredTensor | None:
+    """The tensor a PromptEmbeds built with ``blobs`` holds, when its values can go as pieces (see the module
+    docstring); None otherwise."""
     if pe.WhichOneof("source") != "encoded" or pe.encoded.encoding == tensor_pb2.TENSOR_ENCODING_SAFETENSORS:
         return None
     try:
         blob = blobs[int(pe.encoded.data)]
     except (ValueError, IndexError):
         return None
-    if len(blob) < min_bytes:
-        return None
     try:
-        stored = stored_tensor(blob, max_bytes=len(blob), field=_FIELD)
+        stored = stored_tensor(blob, max_bytes=len(blob), field="prompt_embeds")
     except Exception:  # noqa: BLE001 - refused by the reader: the one-message path gives the preprocessor's words
         return None
-    if stored is None or stored.dtype not in _FLOATS:
+    return stored if stored is not None and stored.dtype in _FLOATS else None
+
+
+def _as_tensor(pe: inference_pb2.PromptEmbeds, stored: StoredTensor) -> None:
+    pe.Clear()
+    pe.tensor.CopyFrom(tensor_pb2.Tensor(dtype=stored.dtype, shape=list(stored.shape)))
+
+
+def completion_pieces(params: inference_pb2.CompletionParams, blobs: Sequence[bytes | memoryview],
+                      min_bytes: int) -> PiecesBody | None:
+    """``params`` (built with ``blobs``, see ``wire_body``) as a ``CompleteChunks`` stream, or None when it goes as
+    one message: one ``prompt_embeds`` payload of ``min_bytes`` or more, no prefix (see the module docstring)."""
+    if min_bytes <= 0 or len(params.prompt_embeds) != 1 or params.HasField("prefix"):
+        return None
+    stored = _stored(params.prompt_embeds[0], blobs)
+    if stored is None or len(stored.data) < min_bytes:
         return None
     head = inference_pb2.CompletionParams()
     head.CopyFrom(params)
-    del head.prompt_embeds[:]
-    head.prompt_embeds.add().tensor.CopyFrom(tensor_pb2.Tensor(dtype=stored.dtype, shape=list(stored.shape)))
-    return PiecesBody(inference_pb2.CompleteRequest(params=head).SerializeToString(), stored.data)
+    _as_tensor(head.prompt_embeds[0], stored)
+    return PiecesBody(inference_pb2.CompleteRequest(params=head).SerializeToString(), (stored.data,))
+
+
+def chat_pieces(params: inference_pb2.ChatParams, blobs: Sequence[bytes | memoryview],
+                min_bytes: int) -> PiecesBody | None:
+    """``params`` (built with ``blobs``) as a ``ChatChunks`` stream, or None when it goes as one message: its
+    ``prompt_embeds`` payloads add up to ``min_bytes`` or more and every one of them can go as pieces (upload ids
+    stay as they are). The preprocessor assembles a chat's tensors before it runs (no streaming through), so this
+    saves the one big message on both sides, not the waiting."""
+    if min_bytes <= 0:
+        return None
+    head = inference_pb2.ChatParams()
+    head.CopyFrom(params)
+    values: list[memoryview] = []
+    for msg in head.messages:
+        for part in msg.parts:
+            if part.WhichOneof("kind") != "prompt_embeds" or part.prompt_embeds.WhichOneof("source") != "encoded":
+                continue
+            stored = _stored(part.prompt_embeds, blobs)
+            if stored is None:
+                return None
+            _as_tensor(part.prompt_embeds, stored)
+            values.append(stored.data)
+    if sum(len(v) for v in values) < min_bytes:
+        return None
+    return PiecesBody(inference_pb2.ChatRequest(params=head).SerializeToString(), tuple(values))
 
 
 def fall_back(e: grpc.aio.AioRpcError) -> bool:
     """Whether a pieces call's failure means: send the request again as one message. The preprocessor does not
-    serve the pieces methods (UNIMPLEMENTED from gRPC itself: an older one), or it refused the tensor's declared
-    size (``prompt_embeds.shape``, TOO_LARGE), which the one-message path words under ``prompt_embeds``. Either way
-    nothing was generated."""
+    serve the pieces methods (UNIMPLEMENTED from gRPC itself: an older one), or it refused a tensor's declared
+    size (``<field>.shape``, TOO_LARGE), which the one-message path words under ``<field>``. Either way nothing was
+    generated."""
     if e.code() == grpc.StatusCode.UNIMPLEMENTED:
         return not answered_by_peer(e)
     if e.code() != grpc.StatusCode.INVALID_ARGUMENT or not answered_by_peer(e):
         return False
     err = from_rpc_error(e)
-    return err.reason == "TOO_LARGE" and err.field == f"{_FIELD}.shape"
+    return err.reason == "TOO_LARGE" and (err.field or "").endswith(".shape")
 
 
 class PiecesCall:
@@ -153,18 +191,21 @@ class PiecesCall:
         return True
 
 
-def completion_call(channel: grpc.aio.Channel, pieces: PiecesBody, one_message: Callable[[], bytes],
-                    timeout: float, stream: bool) -> PiecesCall:
-    """``CompleteChunks`` (``StreamCompleteChunks`` with ``stream``) of ``pieces``, made again as ``Complete``
-    (``StreamComplete``) of ``one_message()`` when it falls back."""
-    if stream:
-        return PiecesCall(
-            lambda: raw_call(channel, "stream_stream", "StreamCompleteChunks", inference_pb2.StreamCompleteResponse)(
-                pieces.messages(), timeout=timeout),
-            lambda: raw_call(channel, "unary_stream", "StreamComplete", inference_pb2.StreamCompleteResponse)(
-                one_message(), timeout=timeout))
+_METHODS = {  # (chat, stream) -> pieces method, one-message method, response
+    (False, False): ("CompleteChunks", "Complete", inference_pb2.CompleteResponse),
+    (False, True): ("StreamCompleteChunks", "StreamComplete", inference_pb2.StreamCompleteResponse),
+    (True, False): ("ChatChunks", "Chat", inference_pb2.ChatResponse),
+    (True, True): ("StreamChatChunks", "StreamChat", inference_pb2.StreamChatResponse),
+}
+
+
+def pieces_call(channel: grpc.aio.Channel, pieces: PiecesBody, one_message: Callable[[], bytes], timeout: float,
+                *, chat: bool, stream: bool) -> PiecesCall:
+    """The pieces method of the route (``CompleteChunks``, ``ChatChunks`` or their streaming forms) with
+    ``pieces``, made again as the one-message method with ``one_message()`` when it falls back."""
+    chunks, one, response = _METHODS[(chat, stream)]
     return PiecesCall(
-        lambda: raw_call(channel, "stream_unary", "CompleteChunks", inference_pb2.CompleteResponse)(
+        lambda: raw_call(channel, "stream_stream" if stream else "stream_unary", chunks, response)(
             pieces.messages(), timeout=timeout),
-        lambda: raw_call(channel, "unary_unary", "Complete", inference_pb2.CompleteResponse)(
+        lambda: raw_call(channel, "unary_stream" if stream else "unary_unary", one, response)(
             one_message(), timeout=timeout))

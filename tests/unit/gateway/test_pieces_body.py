@@ -21,8 +21,8 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors, wire
 from embedmesh.core.errors import InvalidArgument, NotFound
 from embedmesh.gateway import GatewayConfig
-from embedmesh.gateway.pieces_body import PIECE_BYTES, PiecesCall, completion_pieces, fall_back
-from embedmesh.gateway.translate import completion_params
+from embedmesh.gateway.pieces_body import PIECE_BYTES, PiecesCall, chat_pieces, completion_pieces, fall_back
+from embedmesh.gateway.translate import chat_params, completion_params
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.unit.gateway.conftest import MODEL, FakeInference, Harness, rpc_error
@@ -50,8 +50,8 @@ def pieces_of(body: dict[str, Any], min_bytes: int = MIN) -> Any:
     return completion_pieces(params, blobs, min_bytes)
 
 
-def parsed(messages: Iterator[bytes]) -> tuple[inference_pb2.CompleteRequest, list[bytes]]:
-    msgs = [inference_pb2.CompleteChunksRequest.FromString(m) for m in messages]
+def parsed(messages: Iterator[bytes], cls: Any = inference_pb2.CompleteChunksRequest) -> tuple[Any, list[bytes]]:
+    msgs = [cls.FromString(m) for m in messages]
     assert msgs[0].WhichOneof("part") == "request"
     assert all(m.WhichOneof("part") == "rows" for m in msgs[1:])
     return msgs[0].request, [m.rows for m in msgs[1:]]
@@ -97,6 +97,40 @@ def test_anything_else_goes_as_one_message(body: dict[str, Any]) -> None:
     assert pieces_of({"model": MODEL, "prompt": "", **body}) is None
 
 
+def test_a_chats_payloads_become_tensors_in_message_and_part_order() -> None:
+    a, b = rows(1500, 128), rows(1200, 128, torch.bfloat16)
+    body = {"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "prompt_embeds", "data": b64(saved(a))}, {"type": "text", "text": "and"},
+                                     {"type": "prompt_embeds", "data": {"id": "emb-1"}}]},
+        {"role": "user", "content": [{"type": "prompt_embeds", "data": b64(saved(b))}]}]}
+    blobs: list[bytes] = []
+    params = chat_params(body, blobs)
+    got = chat_pieces(params, blobs, MIN)
+    assert got is not None
+    request, pieces = parsed(got.messages(), inference_pb2.ChatChunksRequest)
+    parts = [(i, j, p) for i, m in enumerate(request.params.messages) for j, p in enumerate(m.parts)
+             if p.WhichOneof("kind") == "prompt_embeds"]
+    sources = [p.prompt_embeds.WhichOneof("source") for _, _, p in parts]
+    assert sources == ["tensor", "cache_id", "tensor"]
+    assert list(parts[0][2].prompt_embeds.tensor.shape) == [1500, 128]
+    assert parts[2][2].prompt_embeds.tensor.dtype == tensor_pb2.DATA_TYPE_BF16
+    assert b"".join(pieces) == a.numpy().tobytes() + b.view(torch.int16).numpy().tobytes()
+    assert all(len(p) <= PIECE_BYTES for p in pieces)
+    # a piece never mixes two tensors: a's pieces end where its bytes end
+    sizes = [len(p) for p in pieces]
+    assert sum(sizes[:-(-a.nbytes // PIECE_BYTES)]) == a.nbytes
+    # one payload that cannot go as pieces keeps the whole chat one message
+    body["messages"][2]["content"][0]["data"] = b64(saved(b.t()))
+    blobs = []
+    assert chat_pieces(chat_params(body, blobs), blobs, MIN) is None
+    # nor do small ones
+    small = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "prompt_embeds", "data": b64(saved(rows(20)))}]}]}
+    blobs = []
+    assert chat_pieces(chat_params(small, blobs), blobs, MIN) is None
+
+
 def test_zero_turns_the_pieces_off() -> None:
     body = {"model": MODEL, "prompt": "", "prompt_embeds": b64(saved(rows()))}
     assert pieces_of(body, min_bytes=1) is not None
@@ -112,6 +146,8 @@ def test_falls_back_only_for_a_missing_method_or_the_declared_size() -> None:
     assert fall_back(_unimplemented_from_grpc())
     assert fall_back(rpc_error(InvalidArgument("prompt_embeds.shape: too many", field="prompt_embeds.shape",
                                                reason="TOO_LARGE")))
+    assert fall_back(rpc_error(InvalidArgument("messages[1].content[0].shape: too many",
+                                               field="messages[1].content[0].shape", reason="TOO_LARGE")))
     # the preprocessor's own answers otherwise stand
     assert not fall_back(rpc_error(InvalidArgument("prompt_embeds: NaN", field="prompt_embeds",
                                                    reason="NON_FINITE")))
@@ -182,17 +218,20 @@ def test_pieces_call_makes_the_call_again_once_and_only_before_a_response() -> N
 
 
 class _OneMessageFake(FakeInference):
-    """The fake preprocessor, also keeping the payload bytes a Complete call carried (the server cuts them out of
-    the message as views, ``core.wire``)."""
+    """The fake preprocessor, also keeping the payload bytes a Complete or Chat call carried."""
 
     def __init__(self) -> None:
         super().__init__()
         self.payloads: list[bytes] = []
 
     async def Complete(self, request: Any, context: Any) -> Any:  # noqa: N802
-        views = tensors.wire_views() or {}
+        views = tensors.wire_views() or {}  # the server cut the bytes out of the message as views (core.wire)
         self.payloads.append(bytes(views.get("prompt_embeds", b"")))
         return await super().Complete(request, context)
+
+    async def Chat(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.payloads.append(request.params.messages[0].parts[0].prompt_embeds.encoded.data)
+        return await super().Chat(request, context)
 
 
 class _ChunksFake(_OneMessageFake):
@@ -227,6 +266,12 @@ class _ChunksFake(_OneMessageFake):
         await self._read("StreamCompleteChunks", request_iterator)
         for item in self.script.stream:
             yield item
+
+    async def ChatChunks(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        first = await self._read("ChatChunks", request_iterator)
+        return inference_pb2.ChatResponse(id="chatcmpl-chunks", model=first.params.model, choices=[
+            inference_pb2.Choice(index=0, text="chat from pieces", finish_reason=common_pb2.FINISH_REASON_STOP)],
+            usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
 
 
 def _without_pieces(servicer: Any, server: Any) -> None:
@@ -294,6 +339,25 @@ def test_a_big_payload_reaches_the_preprocessor_as_pieces_or_as_one_message(pgw:
         sent = fake.last("Complete").params.prompt_embeds[0]
         assert isinstance(fake, _OneMessageFake)
         assert sent.WhichOneof("source") == "encoded" and fake.payloads[-1] == saved(t)
+
+
+def test_a_big_chat_payload_reaches_the_preprocessor_as_pieces_or_as_one_message(pgw: _ChunksHarness) -> None:
+    t = rows(2500, 128)
+    body = {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "prompt_embeds", "data": b64(saved(t))}]}]}
+    r = httpx.post(f"{pgw.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    fake = pgw.fake
+    assert isinstance(fake, _OneMessageFake)
+    if isinstance(fake, _ChunksFake):
+        assert r.json()["choices"][0]["message"]["content"] == "chat from pieces"
+        method, head, data = fake.chunks[-1]
+        assert method == "ChatChunks" and list(head.params.messages[0].parts[0].prompt_embeds.tensor.shape) == \
+            [2500, 128]
+        assert data == t.numpy().tobytes()
+    else:
+        assert r.json()["choices"][0]["message"]["content"] == "Hello there"
+        assert fake.payloads[-1] == saved(t)
 
 
 @pytest.fixture(scope="module")
