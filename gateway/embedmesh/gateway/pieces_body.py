@@ -135,11 +135,17 @@ def chat_pieces(params: inference_pb2.ChatParams, blobs: Sequence[bytes | memory
 
 
 def fall_back(e: grpc.aio.AioRpcError) -> bool:
-    """Whether a pieces call's failure means: send the request again as one message. The preprocessor does not
-    serve the pieces methods (UNIMPLEMENTED from gRPC itself: an older one), or it refused a tensor's declared
-    size (``<field>.shape``, TOO_LARGE), which the one-message path words under ``<field>``. Either way nothing was
-    generated."""
-    if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+    """Whether a pieces call's failure means: send the request again as one message. Nothing was generated in any
+    of these cases, and the one-message call gets the preprocessor's own answer:
+
+    * it does not serve the pieces methods (UNIMPLEMENTED from gRPC itself: an older preprocessor);
+    * gRPC's own INTERNAL, not the preprocessor's: grpc.aio reports a write that failed because the call had already
+      ended that way, hiding the answer that ended it (an older preprocessor's UNIMPLEMENTED while pieces were still
+      being sent);
+    * it refused a tensor's declared size (``<field>.shape``, TOO_LARGE), which the one-message path words under
+      ``<field>``.
+    """
+    if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL):
         return not answered_by_peer(e)
     if e.code() != grpc.StatusCode.INVALID_ARGUMENT or not answered_by_peer(e):
         return False
