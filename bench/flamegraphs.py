@@ -3,6 +3,7 @@
     rest     REST /v1/completions, prompt [1,2,3], max_tokens=1, 1 client          (gateway, preprocessor, worker)
     ingest   gRPC Complete with a 64 MiB float32 prompt_embeds tensor, max_tokens=1  (preprocessor, worker)
     chunks   the same tensor as a CompleteChunks stream of 1 MiB pieces               (preprocessor, worker)
+    restingest  REST /v1/completions with the same tensor as base64 torch.save     (gateway, preprocessor, worker)
     stream   64 concurrent gRPC StreamComplete streams of 256 tokens                 (preprocessor, worker)
 
 on an echo-engine mesh (no model time). Needs py-spy (pip install py-spy) and permission to attach (root here).
@@ -29,7 +30,8 @@ from tests.support.mesh import start_mesh  # noqa: E402
 
 SERVICES = {"gateway": "embedmesh.gateway", "preprocessor": "embedmesh.services.preprocessor.main",
             "router": "embedmesh.services.router.main", "worker": "embedmesh.services.worker.main"}
-WHO = {"rest": ("gateway", "preprocessor", "worker"), "ingest": ("preprocessor", "worker"),
+WHO = {"rest": ("gateway", "preprocessor", "worker"), "restingest": ("gateway", "preprocessor", "worker"),
+       "ingest": ("preprocessor", "worker"),
        "chunks": ("preprocessor", "worker"), "stream": ("preprocessor", "worker")}
 
 
@@ -130,14 +132,38 @@ async def _stream(mesh: object, stop: float) -> int:
     return count
 
 
-LOADS = {"rest": _rest, "ingest": _ingest, "chunks": _chunks, "stream": _stream}
+async def _restingest(mesh: object, stop: float) -> int:
+    """REST /v1/completions with the same 64 MiB tensor as base64 torch.save (what the openai SDK sends): from the
+    gateway as CompleteChunks pieces, or as one message with EMBEDMESH_GATEWAY_PIECES_MIN_BYTES=0."""
+    import base64
+    import io
+
+    import httpx
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.from_numpy(np.random.default_rng(0).standard_normal((29127, 576)).astype("<f4")), buf)
+    import orjson
+
+    body = orjson.dumps({"model": "echo", "prompt": "", "max_tokens": 1,
+                         "prompt_embeds": base64.b64encode(buf.getvalue()).decode()})
+    n = 0
+    async with httpx.AsyncClient(base_url=mesh.base_url, timeout=120) as c:  # type: ignore[attr-defined]
+        while time.monotonic() < stop:
+            r = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            r.raise_for_status()
+            n += 1
+    return n
+
+
+LOADS = {"rest": _rest, "ingest": _ingest, "chunks": _chunks, "stream": _stream, "restingest": _restingest}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--tag", default="after")
-    p.add_argument("--only", default="rest,ingest,chunks,stream")
+    p.add_argument("--only", default="rest,ingest,chunks,stream,restingest")
     p.add_argument("--seconds", type=float, default=8.0)
     a = p.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
