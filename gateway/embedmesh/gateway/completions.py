@@ -191,17 +191,16 @@ def routes(gw: Gateway) -> list[Route]:
         # Decoded prompt_embeds go to ``blobs`` and are spliced into the request bytes (one copy, see wire_body).
         blobs: list[bytes] = []
         params = chat_params(body, blobs) if chat else completion_params(body, blobs)
-        # Big payloads go as pieces instead (see pieces_body)
-        pieces = (chat_pieces if chat else completion_pieces)(params, blobs, gw.config.pieces_min_bytes) \
-            if blobs else None
-        data = (chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)) \
-            if blobs and pieces is None else None
 
-        def one_message() -> bytes:  # the same request as one message, when the pieces call falls back
+        def one_message() -> bytes:
             return chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)
 
+        # Big payloads go as pieces instead (pieces_body); the one message is built if that call falls back
+        pieces = (chat_pieces if chat else completion_pieces)(params, blobs, gw.config.pieces_min_bytes) \
+            if blobs else None
+        data = one_message() if blobs and pieces is None else None
         if pieces is None:
-            del blobs
+            del blobs  # the decoded payloads: ``data`` holds their one copy
         stub = gw.stub
         timeout = gw.config.request_timeout_seconds
         created = int(time.time())
