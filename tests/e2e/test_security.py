@@ -208,3 +208,29 @@ def test_loading_a_lora_adapter_needs_an_admin_key(smesh: Mesh) -> None:
     r = httpx.post(f"{smesh.base_url}/v1/load_lora_adapter", json=body, timeout=60,
                    headers={"authorization": f"Bearer {KADMIN}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+
+
+def test_a_big_payload_goes_on_as_pieces_under_the_clients_key(smesh: Mesh) -> None:
+    """The gateway's pieces calls (CompleteChunks: ``gateway/pieces_body.py``) carry the client's key like every
+    call: the preprocessor, which checks the key again, answers with its own rule (the prompt is past the model's
+    context) — not 401 — and counts the call as CompleteChunks."""
+    import urllib.request
+
+    import torch
+
+    def chunks_calls() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{smesh.extra['metrics_base'] + 1}/metrics",
+                                      timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("embedmesh_rpc_requests_total{") and 'method="CompleteChunks"' in line)
+
+    rows = torch.from_numpy(np.random.default_rng(0).standard_normal((9000, 576)).astype(np.float32))  # 20.7 MB
+    body = {"model": MODEL, "prompt": "", "max_tokens": 1, "prompt_embeds": b64_of(rows)}
+    before = chunks_calls()
+    r = httpx.post(f"{smesh.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KA}"},
+                   timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt_embeds" and r.json()["error"]["code"] == "context_overflow"
+    assert chunks_calls() == before + 1
+    r = httpx.post(f"{smesh.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 401
