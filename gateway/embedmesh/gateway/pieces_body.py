@@ -162,10 +162,6 @@ class PiecesCall:
         self._call = first()
         self._again: Callable[[], Any] | None = again
 
-    @property
-    def call(self) -> Any:
-        return self._call
-
     def cancel(self) -> bool:
         return bool(self._call.cancel())
 
