@@ -237,7 +237,9 @@ async def test_router_restart_is_survived_by_reconnecting() -> None:
         r2 = await _start_on(port)
         try:
             await until(lambda: r2.index.blocks_of("a") == 1, timeout=10)
-            assert w.link.peers[0].registrations == 2
+            # the worker sends its snapshot right after its registration, so the new router may index the blocks
+            # before the worker has read the router's answer: wait for that too
+            await until(lambda: w.link.peers[0].registrations == 2, timeout=10)
         finally:
             await r2.close()
 
