@@ -82,14 +82,23 @@ class ServerOptions:
     (clients authenticate with API keys; mesh callers with the mesh token). Internal ports demand one."""
 
 
+KEEPALIVE_MS = 30_000
+"""How often a connection is pinged while idle, by each side."""
+
+
 def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]:
-    """Options every channel and server uses, so large tensors are not refused at 4 MiB."""
+    """Options every channel and server uses: large tensors are not refused at 4 MiB; idle connections (and the
+    long-lived streams on them) are kept alive by a ping every ``KEEPALIVE_MS``, and a server accepts such pings —
+    gRPC's server default (one ping per 5 minutes without data) answered the mesh's own 30 s pings with GOAWAY
+    ``too_many_pings`` after ~90 s idle, dropping every idle connection and the streams on it."""
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # servers: pings without data are fine down to a third of the keepalive interval
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 3),
     ]
 
 

@@ -251,3 +251,27 @@ async def test_an_upload_refused_early_reaches_a_grpc_aio_client_as_the_refusal(
     finally:
         await channel.close()
         await server.drain()
+
+
+async def test_an_idle_connection_pinged_as_the_mesh_pings_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every channel and server of the mesh ping idle connections every ``KEEPALIVE_MS``; a server must accept that
+    rate. gRPC's server default (one ping without data per 5 minutes, two strikes) answered the mesh's pings with
+    GOAWAY ``too_many_pings`` after ~90 s idle, dropping the connection and every long-lived stream on it. Here the
+    interval is 1 s instead of 30 (gRPC's clients ping at most once a second), so 6 s idle are the fourth ping that
+    a default server refuses."""
+    from embedmesh.core import server as server_module
+
+    monkeypatch.setattr(server_module, "KEEPALIVE_MS", 1000)
+    srv = Server("keepalive-test", ServerOptions(port=0, grace_seconds=0.1))
+    await srv.start()
+    await srv.set_serving(True)
+    ch = insecure_channel(srv.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(ch)
+        await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert ch.get_state() == grpc.ChannelConnectivity.READY
+        await asyncio.sleep(6)  # ~5 pings without data
+        assert ch.get_state() == grpc.ChannelConnectivity.READY  # a GOAWAY would have made it IDLE
+    finally:
+        await ch.close()
+        await srv.drain()
