@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
+from embedmesh.core import wire
 from embedmesh.core.errors import answered_by_peer, from_rpc_error
 from embedmesh.core.tensor_codec import StoredTensor, stored_tensor
-from embedmesh.core.wire import varint
 from embedmesh.gateway.wire_body import raw_call
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
@@ -45,17 +45,6 @@ PIECE_BYTES = 1 << 20
 _FLOATS = frozenset({tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16, tensor_pb2.DATA_TYPE_BF16})
 
 
-def _key(message: type, name: str) -> bytes:
-    return varint((message.DESCRIPTOR.fields_by_name[name].number << 3) | 2)  # type: ignore[attr-defined]
-
-
-# CompleteChunksRequest and ChatChunksRequest: oneof part { request = 1; bytes rows = 2; }
-_REQUEST = _key(inference_pb2.CompleteChunksRequest, "request")
-_ROWS = _key(inference_pb2.CompleteChunksRequest, "rows")
-assert (_REQUEST, _ROWS) == (_key(inference_pb2.ChatChunksRequest, "request"),
-                             _key(inference_pb2.ChatChunksRequest, "rows"))
-
-
 @dataclass(frozen=True)
 class PiecesBody:
     """A request (serialized) whose tensors carry no data, and those tensors' values in order."""
@@ -65,12 +54,9 @@ class PiecesBody:
 
     def messages(self) -> Iterator[bytes]:
         """The stream's messages as bytes: the request, then each tensor's values in pieces of ``PIECE_BYTES``,
-        each copied once when gRPC asks for it."""
-        yield b"".join((_REQUEST, varint(len(self.request)), self.request))
-        for values in self.values:
-            for start in range(0, len(values), PIECE_BYTES):
-                piece = values[start:start + PIECE_BYTES]
-                yield b"".join((_ROWS, varint(len(piece)), piece))
+        each copied once when gRPC asks for it (``core.wire.chunk_messages``: every pieces stream shares
+        ``oneof part { request = 1; bytes rows = 2; }``)."""
+        return wire.chunk_messages(self.request, self.values, PIECE_BYTES)
 
 
 def _stored(pe: inference_pb2.PromptEmbeds, blobs: Sequence[bytes | memoryview]) -> StoredTensor | None:

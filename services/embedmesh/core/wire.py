@@ -355,6 +355,7 @@ def parse_chunk(cls: Any) -> Callable[[bytes], Any]:
     its arena, then into a new ``bytes`` when the field is read); anything else is parsed by protobuf (which words
     its errors)."""
     assert _key(cls.DESCRIPTOR.fields_by_name["rows"].number) == _CHUNK_ROWS
+    assert _key(cls.DESCRIPTOR.fields_by_name["request"].number) == _CHUNK_REQUEST  # chunk_messages writes any of them
 
     def parse(raw: bytes) -> Any:
         if len(raw) >= _ZERO_COPY_MIN and raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
