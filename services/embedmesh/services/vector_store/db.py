@@ -24,10 +24,12 @@ class Database:
     """``dialect`` is "sqlite" or "postgres". Use ``await db.run(fn)`` to call a synchronous ``fn(db)`` on the
     database thread; inside it, ``execute``/``query``/``transaction``."""
 
-    def __init__(self, dialect: Literal["sqlite", "postgres"], conn: Any, path: str = "") -> None:
+    def __init__(self, dialect: Literal["sqlite", "postgres"], conn: Any, path: str = "", *,
+                 threaded: bool = True) -> None:
+        """``threaded=False``: a reader's Database (``reading``), used from its own thread only, without ``run``."""
         self.dialect = dialect
         self._conn = conn
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vs-db-{dialect}")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vs-db-{dialect}") if threaded else None
         self._local = threading.local()
         self._path = path
         """The SQLite file (readers open it too); empty for PostgreSQL and in-memory databases."""
@@ -58,9 +60,7 @@ class Database:
         if reader is None:
             conn = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
             conn.execute("PRAGMA query_only=ON")
-            reader = Database.__new__(Database)
-            reader.dialect, reader._conn, reader._path = "sqlite", conn, ""
-            reader._local, reader._readers = threading.local(), []
+            reader = Database("sqlite", conn, threaded=False)
             with self._readers_lock:
                 self._readers.append(reader)
             self._local.reader = reader
@@ -126,10 +126,13 @@ class Database:
         return self._conn
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._pool is None:
+            raise RuntimeError("a reader runs its statements on its own thread, not through run")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         with self._readers_lock:
             readers, self._readers = self._readers, []
         for reader in readers:

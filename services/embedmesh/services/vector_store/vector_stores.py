@@ -285,12 +285,7 @@ class VectorStores:
         if flt is None and self._one_hop:  # the index searched and the rows read in one thread hop
             hits = await asyncio.to_thread(self._hits_now, store_id, vectors, max_num_results, score_threshold)
         if hits is None:
-            best: dict[int, float] = {}
-            for v in vectors:
-                for cid, sim in await self.index.search(store_id, v, max_num_results, flt, allowed):
-                    if sim > best.get(cid, -2.0):
-                        best[cid] = sim
-            ranked = sorted(best.items(), key=lambda kv: -kv[1])
+            ranked = _ranked([await self.index.search(store_id, v, max_num_results, flt, allowed) for v in vectors])
             rows = await self.db.run(self.store.chunk_rows, store_id, [cid for cid, _ in ranked])
             hits = _hits(ranked, rows, max_num_results, score_threshold)
         await self._touched(store)
@@ -309,10 +304,9 @@ class VectorStores:
         order as the hop-by-hop path — when the database gives this thread a reader and the index can search in it
         (SQLite + the embedded graph, loaded); None otherwise (then searched hop by hop). One thread hand-off
         instead of three (~0.1 ms each)."""
-        reader = self.db.reading()
-        if reader is None:
+        store = self._reader_store()
+        if store is None:
             return None
-        store = MetadataStore(reader, self.store.dimensions, self.store.embedding_model)
         found = store.get_store(tenant, store_id)
         _searchable(found)
         v = _vector_query(found, queries, vector)
@@ -323,21 +317,22 @@ class VectorStores:
                   store: MetadataStore | None = None) -> list[SearchHit] | None:
         """Unfiltered hits of ``vectors`` in the calling thread: the index searched (``search_now``) and the rows read
         on this thread's reader; None when the index or the database cannot do that here."""
+        store = store or self._reader_store()
         if store is None:
-            reader = self.db.reading()
-            if reader is None:
-                return None
-            store = MetadataStore(reader, self.store.dimensions, self.store.embedding_model)
-        best: dict[int, float] = {}
+            return None
+        found: list[list[tuple[int, float]]] = []
         for v in vectors:
-            found = self.index.search_now(store_id, v, k)
-            if found is None:
+            hits = self.index.search_now(store_id, v, k)
+            if hits is None:
                 return None
-            for cid, sim in found:
-                if sim > best.get(cid, -2.0):
-                    best[cid] = sim
-        ranked = sorted(best.items(), key=lambda kv: -kv[1])
+            found.append(hits)
+        ranked = _ranked(found)
         return _hits(ranked, store.chunk_rows(store_id, [cid for cid, _ in ranked]), k, score_threshold)
+
+    def _reader_store(self) -> MetadataStore | None:
+        """The metadata store on the calling thread's own read-only connection (``Database.reading``), if any."""
+        reader = self.db.reading()
+        return None if reader is None else MetadataStore(reader, self.store.dimensions, self.store.embedding_model)
 
     async def _query_vectors(self, store: VectorStore, queries: list[str], vector: np.ndarray | None,
                              rewrite_query: bool) -> np.ndarray:
@@ -385,6 +380,16 @@ def _vector_query(store: VectorStore, queries: list[str], vector: np.ndarray) ->
         raise InvalidArgument("query_embedding: must be finite and not all zero", field="query_embedding",
                               reason="INVALID_EMBEDDING")
     return (v / norm).reshape(1, -1)
+
+
+def _ranked(per_query: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """(chunk id, similarity) best first over every query's hits, each chunk once with its best score."""
+    best: dict[int, float] = {}
+    for hits in per_query:
+        for cid, sim in hits:
+            if sim > best.get(cid, -2.0):
+                best[cid] = sim
+    return sorted(best.items(), key=lambda kv: -kv[1])
 
 
 def _hits(ranked: list[tuple[int, float]], rows: dict[int, Any], k: int,
