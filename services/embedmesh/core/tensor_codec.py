@@ -293,6 +293,11 @@ class _Parsed:
     count: int
     strides: tuple[int, ...]
 
+    @property
+    def storage_name(self) -> str:
+        """The archive entry holding the tensor's storage."""
+        return f"{self.prefix}data/{self.obj.storage.key}"
+
 
 def _parse_torch_save(data: bytes | memoryview, max_bytes: int, field: str, cap_name: str) -> _Parsed:
     if bytes(data[:4]) != _ZIP_MAGIC:
@@ -334,7 +339,7 @@ def decode_torch_save(data: bytes, *, max_bytes: int, field: str,
     p = _parse_torch_save(data, max_bytes, field, cap_name)
     obj, np_dtype = p.obj, p.np_dtype
     numel = obj.storage.numel
-    storage = _read_storage(p.archive, data, f"{p.prefix}data/{obj.storage.key}", numel * np_dtype.itemsize, field)
+    storage = _read_storage(p.archive, data, p.storage_name, numel * np_dtype.itemsize, field)
     flat = np.frombuffer(storage, dtype=np_dtype, count=numel)
     if p.count == 0:
         out = np.zeros(obj.size, dtype=np_dtype)
@@ -379,14 +384,13 @@ def stored_tensor(data: bytes | memoryview, *, max_bytes: int, field: str,
         step *= d
     if tuple(reversed(contiguous)) != p.strides:
         return None
-    name = f"{p.prefix}data/{obj.storage.key}"
     try:
-        stored = p.archive.getinfo(name).compress_type == zipfile.ZIP_STORED
+        stored = p.archive.getinfo(p.storage_name).compress_type == zipfile.ZIP_STORED
     except KeyError:
         stored = False
     if not stored or _byteorder(p.archive, p.prefix, field) != "little":
         return None
-    view = _read_storage(p.archive, data, name, p.count * p.np_dtype.itemsize, field)
+    view = _read_storage(p.archive, data, p.storage_name, p.count * p.np_dtype.itemsize, field)
     return StoredTensor(memoryview(view).cast("B"), p.dtype, tuple(int(d) for d in obj.size))
 
 

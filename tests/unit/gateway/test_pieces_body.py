@@ -262,9 +262,7 @@ class _ChunksFake(_OneMessageFake):
 
     async def CompleteChunks(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
         first = await self._read("CompleteChunks", request_iterator)
-        return inference_pb2.CompleteResponse(id="cmpl-chunks", model=first.params.model, choices=[
-            inference_pb2.Choice(index=0, text="from pieces", finish_reason=common_pb2.FINISH_REASON_STOP)],
-            usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
+        return _answer(inference_pb2.CompleteResponse, first, "from pieces")
 
     async def StreamCompleteChunks(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
         await self._read("StreamCompleteChunks", request_iterator)
@@ -273,9 +271,14 @@ class _ChunksFake(_OneMessageFake):
 
     async def ChatChunks(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
         first = await self._read("ChatChunks", request_iterator)
-        return inference_pb2.ChatResponse(id="chatcmpl-chunks", model=first.params.model, choices=[
-            inference_pb2.Choice(index=0, text="chat from pieces", finish_reason=common_pb2.FINISH_REASON_STOP)],
-            usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
+        return _answer(inference_pb2.ChatResponse, first, "chat from pieces")
+
+
+def _answer(response: Any, request: Any, text: str) -> Any:
+    """A one-choice answer of the fake's pieces methods."""
+    return response(id="chunks", model=request.params.model, choices=[
+        inference_pb2.Choice(index=0, text=text, finish_reason=common_pb2.FINISH_REASON_STOP)],
+        usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
 
 
 def _without_pieces(servicer: Any, server: Any) -> None:
