@@ -65,14 +65,17 @@ def test_sigkill_of_a_worker_under_load_is_contained(mesh2: Mesh) -> None:
     assert _wait(lambda: len(_registered(mesh2)) == 2)
     load = Load(mesh2.base_url, MODEL, clients=6, max_tokens=48)
     try:
-        # Kill a worker mid-generation: its sequences are producing tokens.
+        # Kill a worker mid-generation: its sequences are producing tokens, and every request in flight has had
+        # its first token (so the victim's are cut mid-stream, not retried on the survivor before any output).
+        pids = {w: child_pid(mesh2, f"worker-{i}") for i, w in enumerate(mesh2.workers)}
         deadline = time.monotonic() + 300
-        victim = _generating(mesh2)
-        while victim is None:
+        while True:
             assert time.monotonic() < deadline, "no worker ever generated under the load"
             victim = _generating(mesh2)
+            if victim is not None and load.all_streaming() and stats(victim).active_requests > 0:
+                break
         survivor = next(w for w in mesh2.workers if w != victim)
-        pid = child_pid(mesh2, f"worker-{mesh2.workers.index(victim)}")
+        pid = pids[victim]
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         # The router drops it as soon as its stream breaks.
@@ -86,7 +89,7 @@ def test_sigkill_of_a_worker_under_load_is_contained(mesh2: Mesh) -> None:
     failed = [o for o in outcomes if o.kind != "ok"]
     # The streams cut mid-generation say so (the others were retried on the survivor or were served there).
     assert any(o.kind == "sse_error" and o.error.get("code") == "worker_lost" for o in failed), \
-        "no stream was cut mid-generation by the kill"
+        ("no stream was cut mid-generation by the kill", [(o.kind, o.status, o.error) for o in failed])
     # Every failure is one a client can retry on, arrived promptly (not at a timeout), and names no address.
     assert all(retryable(o) for o in failed), [(o.kind, o.status, o.error) for o in failed]
     assert all(o.ended - killed_at < 5 for o in failed), [o.ended - killed_at for o in failed]

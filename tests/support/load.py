@@ -104,6 +104,7 @@ class Load:
     def __init__(self, base_url: str, model: str, clients: int, max_tokens: int) -> None:
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
+        self._streaming: dict[int, threading.Event] = {}  # client -> its request in flight got its first token
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(base_url, model, i, max_tokens), daemon=True)
                          for i in range(clients)]
@@ -113,10 +114,21 @@ class Load:
     def _run(self, base_url: str, model: str, i: int, max_tokens: int) -> None:
         n = 0
         while not self._stop.is_set():
-            o = stream_completion(base_url, model, f"Client {i} request {n}: tell me about rivers.", max_tokens)
+            first = threading.Event()
             with self._lock:
+                self._streaming[i] = first
+            o = stream_completion(base_url, model, f"Client {i} request {n}: tell me about rivers.", max_tokens,
+                                  first_token=first)
+            with self._lock:
+                del self._streaming[i]
                 self.outcomes.append(o)
             n += 1
+
+    def all_streaming(self) -> bool:
+        """Every request in flight has received a token (none is waiting for its first: a worker lost now cuts
+        streams, it cannot retry them elsewhere)."""
+        with self._lock:
+            return bool(self._streaming) and all(e.is_set() for e in self._streaming.values())
 
     def stop(self) -> list[Outcome]:
         self._stop.set()
