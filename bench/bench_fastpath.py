@@ -180,7 +180,8 @@ def _serve_http(port: int) -> None:
 
     app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
                             Route("/sse", sse, methods=["POST"]), Route("/decode", decode, methods=["POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="off")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="off",
+                http="httptools")  # as the gateway
 
 
 def serve_main(kind: str, port: int, parent: int) -> None:

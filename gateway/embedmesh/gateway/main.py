@@ -28,6 +28,7 @@ from embedmesh.core.server import run_service
 from embedmesh.core.telemetry import setup_tracing
 from embedmesh.gateway.app import create_app
 from embedmesh.gateway.config import GatewayConfig
+from embedmesh.gateway.protocol import GatewayHttpProtocol
 
 log = get_logger("embedmesh.gateway")
 
@@ -71,6 +72,7 @@ async def serve(config: GatewayConfig, drain_seconds: float = DEFAULT_DRAIN_SECO
     # uvicorn's graceful shutdown takes whole seconds; round up so a fractional drain is never cut short.
     grace = max(0, int(-(-drain_seconds // 1)))
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                                    http=GatewayHttpProtocol,
                                     access_log=False, timeout_graceful_shutdown=grace, lifespan="on",
                                     ssl_certfile=https_cert or None, ssl_keyfile=https_key or None))
     scheme = "https" if https_cert else "http"

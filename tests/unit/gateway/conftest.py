@@ -17,6 +17,7 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.core.errors import EmbedmeshError
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.gateway import GatewayConfig, create_app
+from embedmesh.gateway.protocol import GatewayHttpProtocol
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 
@@ -156,7 +157,8 @@ class Harness:
 
     async def _serve(self, config: GatewayConfig) -> str:
         server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_config=None,
-                                               access_log=False, lifespan="on", timeout_graceful_shutdown=1))
+                                               http=GatewayHttpProtocol, access_log=False, lifespan="on",
+                                               timeout_graceful_shutdown=1))
         self._servers.append(server)
         self.loop.create_task(server.serve())
         while not server.started:

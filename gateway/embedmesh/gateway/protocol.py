@@ -1,0 +1,91 @@
+"""The gateway's HTTP/1.1 protocol: uvicorn's httptools protocol (llhttp, in C) with the gateway's answers to
+requests that are not valid HTTP.
+
+Why httptools: uvicorn falls back to h11 (pure Python) when httptools is missing, and h11 moved a big body through
+its receive buffer piece by piece, about a fifth of the gateway's CPU on a 64 MiB upload (profile in
+``docs/perf/``). The parser answers what it refuses itself (a malformed request line, a control character in a
+header, bad framing) before any route runs; uvicorn words that as a plain-text 400. Here it is an OpenAI error
+body like every other refusal, and the header section has a size limit (llhttp has none): past
+``MAX_HEADER_BYTES`` the request is answered 431 and the connection closed, instead of buffering headers without
+bound.
+"""
+
+from __future__ import annotations
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES"]
+
+MAX_HEADER_BYTES = 64 * 1024
+"""The request line and headers of one request, at most (bytes as received)."""
+
+_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
+
+
+def _error_response(status: int, message: str, code: str) -> bytes:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": code}})
+    return b"".join([
+        b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n\r\n",
+        body,
+    ])
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """``HttpToolsProtocol`` answering unparseable requests with JSON and bounding the header section."""
+
+    _received = 0  # bytes received while this request's headers are not complete
+    _parsed = 0  # bytes of its URL, header names and values parsed
+    _in_headers = True
+    _too_large = False
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._received = self._parsed = 0
+        self._in_headers = True
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        super().on_headers_complete()
+
+    def _count(self, n: int) -> None:
+        self._parsed += n
+        if self._parsed > MAX_HEADER_BYTES:
+            self._too_large = True
+            raise ValueError("headers over the limit")  # the parser stops; uvicorn calls send_400_response
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_headers and not self.transport.is_closing():
+            # Everything received since the request began is still its request line and headers (the parser has
+            # not reached their end): one header that never ends is refused too.
+            self._received += len(data)
+            if self._received > MAX_HEADER_BYTES:
+                self._too_large = True
+                self.send_400_response("")
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this when the parser refuses the request (``msg`` is its fixed plain-text line).
+        if self._too_large:
+            self.logger.warning("request headers over the limit")
+            self._refuse(431, f"the request line and headers are over the {MAX_HEADER_BYTES} byte limit; send "
+                              "shorter headers (big values belong in the body)", "headers_too_large")
+        else:
+            self._refuse(400, "the request is not valid HTTP/1.1 (its request line, a header or the body's "
+                              "framing is malformed); fix the request and send it again", "invalid_http")
+
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        self.transport.write(_error_response(status, message, code))
+        self.transport.close()

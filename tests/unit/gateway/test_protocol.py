@@ -1,0 +1,93 @@
+"""The gateway's HTTP protocol on a real uvicorn, spoken to over a raw socket: what the parser refuses comes back as
+an OpenAI error body (400 ``invalid_http``), an over-long header section as 431 ``headers_too_large``, and neither
+limit touches a valid request (a big body, big-but-allowed headers, two requests on one connection)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from urllib.parse import urlparse
+
+from embedmesh.gateway.protocol import MAX_HEADER_BYTES
+from tests.unit.gateway.conftest import Harness
+
+
+def _exchange(gw: Harness, raw: bytes, responses: int = 1) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send ``raw`` on one connection; read ``responses`` answers (status, headers, body)."""
+    url = urlparse(gw.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(raw)
+        buf = b""
+        out: list[tuple[int, dict[str, str], bytes]] = []
+        while len(out) < responses:
+            while b"\r\n\r\n" not in buf:
+                more = s.recv(65536)
+                assert more, f"the connection closed after {len(out)} answers: {buf!r}"
+                buf += more
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            lines = head.decode("latin-1").split("\r\n")
+            headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+            n = int(headers["content-length"])
+            while len(buf) < n:
+                more = s.recv(65536)
+                assert more
+                buf += more
+            out.append((int(lines[0].split()[1]), headers, buf[:n]))
+            buf = buf[n:]
+        return out
+
+
+def _models(extra: str = "") -> bytes:
+    return f"GET /v1/models HTTP/1.1\r\nhost: x\r\n{extra}\r\n".encode()
+
+
+def test_a_control_character_in_a_header_is_a_json_400_and_the_connection_closes(gw: Harness) -> None:
+    [(status, headers, body)] = _exchange(gw, _models("x-note: a\x08b\r\n"))
+    assert status == 400
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    err = json.loads(body)["error"]
+    assert err["code"] == "invalid_http" and err["type"] == "invalid_request_error"
+    assert "not valid HTTP/1.1" in err["message"]
+
+
+def test_a_malformed_request_line_is_a_json_400(gw: Harness) -> None:
+    [(status, _, body)] = _exchange(gw, b"GET /v1/models HTTP/9.9.9 nonsense\r\n\r\n")
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http"
+
+
+def test_headers_over_the_limit_are_a_431_not_buffered(gw: Harness) -> None:
+    big = "x-pad: " + "a" * (MAX_HEADER_BYTES + 10) + "\r\n"
+    [(status, headers, body)] = _exchange(gw, _models(big))
+    assert status == 431 and headers["connection"] == "close"
+    err = json.loads(body)["error"]
+    assert err["code"] == "headers_too_large" and str(MAX_HEADER_BYTES) in err["message"]
+
+
+def test_headers_sent_in_many_small_writes_are_counted_together(gw: Harness) -> None:
+    url = urlparse(gw.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")
+        refused = b""
+        for _ in range(MAX_HEADER_BYTES // 1000 + 5):
+            try:
+                s.sendall(b"x-pad: " + b"a" * 991 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        s.settimeout(10)
+        while chunk := s.recv(65536):
+            refused += chunk
+    assert refused.startswith(b"HTTP/1.1 431 ")
+
+
+def test_allowed_headers_a_big_body_and_keep_alive_are_untouched(gw: Harness) -> None:
+    near = "x-pad: " + "a" * (MAX_HEADER_BYTES // 2) + "\r\n"
+    body = b'{"model": "m", "prompt": "' + b"a" * (4 * MAX_HEADER_BYTES) + b'", "max_tokens": -1}'
+    post = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)) + body
+    answers = _exchange(gw, _models(near) + _models(near) + post, responses=3)
+    assert [a[0] for a in answers[:2]] == [200, 200]
+    assert json.loads(answers[0][2])["object"] == "list"
+    # The body went past the header limit's size without being taken for headers: the route read all of it
+    # and refused the one field it found wrong.
+    status, _, answer = answers[2]
+    assert status == 400 and json.loads(answer)["error"]["param"] == "max_tokens"
