@@ -28,7 +28,8 @@ from typing import Any
 import orjson
 import pybase64
 
-__all__ = ["Base64Text", "loads", "completion_slots", "chat_slots", "MIN_BODY_BYTES", "MIN_STRING_BYTES"]
+__all__ = ["Base64Text", "loads", "completion_slots", "chat_slots", "upload_slots", "MIN_BODY_BYTES",
+           "MIN_STRING_BYTES"]
 
 MIN_BODY_BYTES = 1 << 20
 """Smaller bodies are parsed as usual."""
@@ -67,6 +68,12 @@ def completion_slots(body: Any) -> Iterator[tuple[Any, Any]]:
                 yield embeds, i
     if isinstance(body.get("prompt_embeds_prefix"), str):
         yield body, "prompt_embeds_prefix"
+
+
+def upload_slots(body: Any) -> Iterator[tuple[Any, Any]]:
+    """Where /v1/prompt_embeds reads base64: ``data``."""
+    if isinstance(body, dict) and isinstance(body.get("data"), str):
+        yield body, "data"
 
 
 def chat_slots(body: Any) -> Iterator[tuple[Any, Any]]:

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.gateway.context import Gateway
+from embedmesh.gateway.embeds_json import upload_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.requests import PromptEmbedsUpload, parse
 from embedmesh.tensor.v1 import tensor_pb2
@@ -47,7 +48,8 @@ def routes(gateway: Gateway) -> list[Route]:
         return cache_pb2_grpc.EncoderCacheServiceStub(gateway.channel)
 
     async def create(request: Request) -> Response:
-        body = parse(PromptEmbedsUpload, await gateway.read_json(request))
+        # A big tensor's base64 is read already decoded (embeds_json), not made into one huge str first.
+        body = parse(PromptEmbedsUpload, await gateway.read_json(request, upload_slots))
         data, ttl = body.data, body.ttl_seconds
         header = cache_pb2.PutHeader(encoding=tensor_pb2.TENSOR_ENCODING_TORCH_SAVE)
         if ttl is not None:

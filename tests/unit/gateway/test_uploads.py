@@ -12,7 +12,7 @@ import pytest
 
 from embedmesh.cache.v1 import cache_pb2
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.gateway import uploads
+from embedmesh.gateway import embeds_json, uploads
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.unit.gateway.conftest import FakeStub, bare_gateway, route_client, rpc_error
 
@@ -47,6 +47,30 @@ def test_an_upload_streams_a_header_then_its_bytes_in_1_mib_chunks(make: Any) ->
         encoding=tensor_pb2.TENSOR_ENCODING_TORCH_SAVE, ttl_seconds=60))
     assert [len(m.chunk) for m in messages[1:]] == [1 << 20, 1 << 20, 5]
     assert b"".join(m.chunk for m in messages[1:]) == data
+
+
+def test_a_big_upload_is_read_already_decoded_and_answers_as_the_usual_parse(make: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The body's long base64 ``data`` is decoded straight from the body (embeds_json), never made a str: the same
+    bytes go out; a body whose base64 is broken falls back to the usual parse and gets its usual 400."""
+    read: list[bool] = []
+    loads = embeds_json.loads
+
+    def spy(raw: bytes, slots: Any) -> Any:
+        body = loads(raw, slots)
+        read.append(body is not None and isinstance(body.get("data"), embeds_json.Base64Text))
+        return body
+
+    monkeypatch.setattr(embeds_json, "loads", spy)
+    http, stub = make(Put=STORED)
+    data = os.urandom(3 << 20)
+    assert http.post("/v1/prompt_embeds", json={"ttl_seconds": 60, "data": b64(data)}).status_code == 200
+    assert read == [True]
+    assert b"".join(m.chunk for m in stub.last("Put")[1:]) == data
+    broken = http.post("/v1/prompt_embeds", json={"data": b64(data)[:-1]})
+    assert read == [True, False]
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "data"
+    assert broken.json()["error"]["code"] == "invalid_base64"
 
 
 def test_without_ttl_the_header_leaves_it_unset_and_a_huge_one_is_clamped(make: Any) -> None:
