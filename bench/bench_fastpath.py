@@ -7,8 +7,10 @@ killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event l
 
   L1  a bare grpc.aio server (generic handlers on raw bytes, no interceptors): one unary hop, a unary_stream relay
       and a stream_unary sink.
-  L2  a bare uvicorn + Starlette app (same uvicorn defaults as the gateway): one POST route that orjson-parses the
-      body and answers a small completion-shaped JSON, and one SSE route relaying events shaped like the gateway's.
+  L2  a bare uvicorn + Starlette app (the gateway's uvicorn settings: uvloop, httptools): one POST route that
+      orjson-parses the body and answers a small completion-shaped JSON, and one SSE route relaying events shaped
+      like the gateway's. The overhead section also drives the same app on h11 (uvicorn's pure-Python parser) as a
+      context row: inside this bench the httptools route measured slower at 32 clients than the h11 one.
   L3  L1's stream_unary sink receiving the 64 MiB tensor as 1 MiB chunks.
   L4  in this process: orjson.loads of the REST JSON body + pybase64.b64decode + numpy.frombuffer.
   L5  L1's unary sink receiving the 64 MiB tensor as one message (512 MiB message limits on both sides).
@@ -141,7 +143,7 @@ async def _serve_grpc(port: int) -> None:
     await server.wait_for_termination()
 
 
-def _serve_http(port: int) -> None:
+def _serve_http(port: int, parser: str = "httptools") -> None:
     import orjson
     import uvicorn
     from starlette.applications import Starlette
@@ -181,7 +183,7 @@ def _serve_http(port: int) -> None:
     app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
                             Route("/sse", sse, methods=["POST"]), Route("/decode", decode, methods=["POST"])])
     uvicorn.run(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="off",
-                http="httptools")  # as the gateway
+                http=parser)  # httptools: as the gateway (h11 only for the context row beside L2)
 
 
 def serve_main(kind: str, port: int, parent: int) -> None:
@@ -189,7 +191,7 @@ def serve_main(kind: str, port: int, parent: int) -> None:
     if kind == "grpc":
         run_service(_serve_grpc(port))  # the same event loop as the mesh's services
     else:
-        _serve_http(port)
+        _serve_http(port, "h11" if kind == "http-h11" else "httptools")
 
 
 class BareServer:
@@ -270,7 +272,7 @@ async def rounds(variants: dict[str, Callable[[], Awaitable[tuple[list[float], f
 # --------------------------------------------------------------------------------------------------------------
 
 async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, n1: int, n32: int,
-                         n_rounds: int, mesh_emb: Any = None) -> dict[str, Any]:
+                         n_rounds: int, mesh_emb: Any = None, bare_h11: BareServer | None = None) -> dict[str, Any]:
     import grpc
     import httpx
 
@@ -302,6 +304,8 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
     emb = mesh_emb or mesh
     async with httpx.AsyncClient(base_url=mesh.base_url, limits=limits, timeout=60) as http, \
             httpx.AsyncClient(base_url=f"http://{bare_http.address}", limits=limits, timeout=60) as bare_h, \
+            httpx.AsyncClient(base_url=f"http://{(bare_h11 or bare_http).address}", limits=limits,
+                              timeout=60) as bare_h11_client, \
             httpx.AsyncClient(base_url=emb.base_url, limits=limits, timeout=60) as http_emb, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(emb.preprocessor, options=channel_options()) as ch_emb, \
@@ -331,12 +335,18 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
             r = await http.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
 
+        async def bare_rest_h11() -> None:
+            r = await bare_h11_client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
         paths = {"engine": ("engine in-process (reference)", in_process),
                  "bare_grpc": ("L1 bare grpc.aio unary hop", bare_grpc_call),
                  "mesh_grpc": ("mesh gRPC: preproc->router->worker", mesh_grpc),
                  "bare_rest": ("L2 bare uvicorn+Starlette POST", bare_rest),
                  "mesh_rest": ("mesh REST: gw->preproc->router->worker", mesh_rest)}
         limit_of = {"mesh_grpc": "bare_grpc", "mesh_rest": "bare_rest"}
+        if bare_h11 is not None:  # context, not a limit: the same route on uvicorn's pure-Python parser
+            paths["bare_rest_h11"] = ("  L2 on h11 (context, not the limit)", bare_rest_h11)
         if mesh_emb is not None:  # the same mesh with the router inside the preprocessor (no routing hop)
             paths["mesh_grpc_emb"] = ("  gRPC, router in the preprocessor", mesh_grpc_emb)
             paths["mesh_rest_emb"] = ("  REST, router in the preprocessor", mesh_rest_emb)
@@ -388,6 +398,11 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         print(f" with --embedded-router: gRPC added p50 {e_g:.2f} L1 hops, REST {e_r:.2f} L2 hops; 32 clients "
               f"gRPC {c32['mesh_grpc_emb']['rps_pct_of_limit']:.0f} % of L1, REST "
               f"{c32['mesh_rest_emb']['rps_pct_of_limit']:.0f} % of L2 (not counted in the goals)")
+    if "bare_rest_h11" in c32:
+        h11 = 100 * c32["mesh_rest"]["rps"] / c32["bare_rest_h11"]["rps"]
+        out["rest_rps_pct_of_h11_c32"] = h11
+        print(f" the same bare route on h11 (uvicorn's pure-Python parser; the gateway uses httptools, as L2 does): "
+              f"32 clients {c32['bare_rest_h11']['rps']:.0f} req/s; mesh REST {h11:.0f} % of it (context)")
     return {"figures": out, "goals": goals}
 
 
@@ -682,7 +697,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated: overhead,stream,ingest")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (about 2 minutes)")
-    ap.add_argument("--serve", choices=("grpc", "http"), help=argparse.SUPPRESS)
+    ap.add_argument("--serve", choices=("grpc", "http", "http-h11"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -720,11 +735,14 @@ def main() -> int:
         bare_http.wait_ready()
         if "overhead" in parts:
             mesh_emb = start_mesh(engine="echo", env=env, extra_args=["--embedded-router"])
+            bare_h11 = BareServer("http-h11", env)
             try:
+                bare_h11.wait_ready()
                 result["overhead"] = asyncio.run(bench_overhead(
                     mesh, bare_grpc, bare_http, n1=300 if quick else 1500, n32=800 if quick else 4000,
-                    n_rounds=2 if quick else 5, mesh_emb=mesh_emb))
+                    n_rounds=2 if quick else 5, mesh_emb=mesh_emb, bare_h11=bare_h11))
             finally:
+                bare_h11.stop()
                 mesh_emb.stop()
         if "stream" in parts:
             result["stream"] = asyncio.run(bench_stream(mesh, bare_grpc, bare_http, per_client=2 if quick else 4,
