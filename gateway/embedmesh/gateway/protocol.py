@@ -42,6 +42,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _parsed = 0  # bytes of its URL, header names and values parsed
     _in_headers = True
     _too_large = False
+    _ended = False  # a request ended within the data being parsed
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -60,6 +61,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._in_headers = False
         super().on_headers_complete()
 
+    def on_message_complete(self) -> None:
+        self._ended = True
+        super().on_message_complete()
+
     def _count(self, n: int) -> None:
         self._parsed += n
         if self._parsed > MAX_HEADER_BYTES:
@@ -67,11 +72,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise ValueError("headers over the limit")  # the parser stops; uvicorn calls send_400_response
 
     def data_received(self, data: bytes) -> None:
+        self._ended = False
         super().data_received(data)
         if self._in_headers and not self.transport.is_closing():
-            # Everything received since the request began is still its request line and headers (the parser has
-            # not reached their end): one header that never ends is refused too.
-            self._received += len(data)
+            # What was received since this request began is still its request line and headers (the parser has
+            # not reached their end): one header that never ends is refused too. When a request ended within
+            # this data (a pipelined one follows it), the part that began the next is not counted: at most one
+            # read's worth of slack, never the earlier request's body taken for headers.
+            self._received = 0 if self._ended else self._received + len(data)
             if self._received > MAX_HEADER_BYTES:
                 self._too_large = True
                 self.send_400_response("")

@@ -4,19 +4,26 @@ limit touches a valid request (a big body, big-but-allowed headers, two requests
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+from typing import Any
 from urllib.parse import urlparse
 
-from embedmesh.gateway.protocol import MAX_HEADER_BYTES
+import uvicorn
+from uvicorn.server import ServerState
+
+from embedmesh.gateway.protocol import MAX_HEADER_BYTES, GatewayHttpProtocol
 from tests.unit.gateway.conftest import Harness
 
 
-def _exchange(gw: Harness, raw: bytes, responses: int = 1) -> list[tuple[int, dict[str, str], bytes]]:
-    """Send ``raw`` on one connection; read ``responses`` answers (status, headers, body)."""
+def _exchange(gw: Harness, raw: bytes | list[bytes], responses: int = 1) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send ``raw`` (one write, or each of a list in turn) on one connection; read ``responses`` answers (status,
+    headers, body)."""
     url = urlparse(gw.url)
     with socket.create_connection((url.hostname, url.port), timeout=10) as s:
-        s.sendall(raw)
+        for part in [raw] if isinstance(raw, bytes) else raw:
+            s.sendall(part)
         buf = b""
         out: list[tuple[int, dict[str, str], bytes]] = []
         while len(out) < responses:
@@ -91,3 +98,64 @@ def test_allowed_headers_a_big_body_and_keep_alive_are_untouched(gw: Harness) ->
     # and refused the one field it found wrong.
     status, _, answer = answers[2]
     assert status == 400 and json.loads(answer)["error"]["param"] == "max_tokens"
+
+
+class _Transport(asyncio.Transport):
+    """What the protocol wrote, and whether it closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_a_pipelined_request_after_a_big_body_is_not_taken_for_long_headers() -> None:
+    """The end of a request whose body is bigger than the header limit and the start of the next one, pipelined,
+    arrive in one read: the next request's headers are counted from where it began, not with the first request's
+    body (fed straight to the protocol, so the reads are exactly these)."""
+
+    async def run() -> bytes:
+        config = uvicorn.Config(_ok, log_config=None, lifespan="off", http=GatewayHttpProtocol)
+        config.load()
+        proto = GatewayHttpProtocol(config=config, server_state=ServerState(), app_state={})
+        transport = _Transport()
+        proto.connection_made(transport)
+        body = b"a" * (3 * MAX_HEADER_BYTES)
+        proto.data_received(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body))
+        proto.data_received(body + b"GET /y HTTP/1.1\r\n")
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        proto.data_received(b"host: x\r\n\r\n")
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+        proto.connection_lost(None)
+        return transport.written
+
+    written = asyncio.run(run())
+    assert written.count(b"HTTP/1.1 200 OK") == 2, written[:400]
+    assert b"headers_too_large" not in written
