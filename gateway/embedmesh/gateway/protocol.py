@@ -12,13 +12,18 @@ bound.
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES"]
+__all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES"]
 
 MAX_HEADER_BYTES = 64 * 1024
 """The request line and headers of one request, at most (bytes as received)."""
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1 << 20
+"""After a refusal, the connection is closed once this long has passed or this much more has arrived."""
 
 _REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
@@ -43,6 +48,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _in_headers = True
     _too_large = False
     _ended = False  # a request ended within the data being parsed
+    _refused = False  # answered 400/431: what still arrives is dropped
+    _dropped = 0
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -72,9 +79,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             raise ValueError("headers over the limit")  # the parser stops; uvicorn calls send_400_response
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # after a refusal: read and drop what still comes (see ``_refuse``)
+            self._dropped += len(data)
+            if self._dropped > LINGER_BYTES:
+                self.transport.close()
+            return
         self._ended = False
         super().data_received(data)
-        if self._in_headers and not self.transport.is_closing():
+        if self._in_headers and not self._refused and not self.transport.is_closing():
             # What was received since this request began is still its request line and headers (the parser has
             # not reached their end): one header that never ends is refused too. When a request ended within
             # this data (a pipelined one follows it), the part that began the next is not counted: at most one
@@ -95,5 +107,18 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                               "framing is malformed); fix the request and send it again", "invalid_http")
 
     def _refuse(self, status: int, message: str, code: str) -> None:
+        """Answer, then close gently: our side ends (FIN after the answer) while what the client is still sending
+        is read and dropped for up to ``LINGER_SECONDS`` / ``LINGER_BYTES``. Closing at once with unread bytes
+        makes the kernel reset the connection, and a reset can destroy the answer before the client reads it."""
+        self._refused = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # a route reading this body: it sees the client gone
+            cycle.disconnected = True
+            cycle.message_event.set()
         self.transport.write(_error_response(status, message, code))
-        self.transport.close()
+        try:
+            self.transport.write_eof()
+        except (NotImplementedError, AttributeError, OSError, RuntimeError):  # TLS cannot half-close
+            self.transport.close()
+            return
+        asyncio.get_running_loop().call_later(LINGER_SECONDS, self.transport.close)
