@@ -5,17 +5,20 @@ Why httptools: uvicorn falls back to h11 (pure Python) when httptools is missing
 its receive buffer piece by piece, about a fifth of the gateway's CPU on a 64 MiB upload (profile in
 ``docs/perf/``). The parser answers what it refuses itself (a malformed request line, a control character in a
 header, bad framing) before any route runs; uvicorn words that as a plain-text 400. Here it is an OpenAI error
-body like every other refusal, and the header section has a size limit (llhttp has none): past
-``MAX_HEADER_BYTES`` the request is answered 431 and the connection closed, instead of buffering headers without
-bound.
+body like every other refusal (``errors.ApiError``), and the header section has a size limit (llhttp has none):
+past ``MAX_HEADER_BYTES`` the request is answered 431 instead of buffering headers without bound. After either
+answer the connection closes gently (``_refuse``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from embedmesh.gateway.errors import ApiError
 
 __all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES"]
 
@@ -25,14 +28,12 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 1 << 20
 """After a refusal, the connection is closed once this long has passed or this much more has arrived."""
 
-_REASONS = {400: b"Bad Request", 431: b"Request Header Fields Too Large"}
 
-
-def _error_response(status: int, message: str, code: str) -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": code}})
+def _error_response(err: ApiError) -> bytes:
+    """``err`` as a whole HTTP/1.1 response (the body every gateway refusal has), on a connection that closes."""
+    body = orjson.dumps(err.body())
     return b"".join([
-        b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+        b"HTTP/1.1 %d %s\r\n" % (err.status, HTTPStatus(err.status).phrase.encode()),
         b"content-type: application/json\r\n",
         b"content-length: %d\r\n" % len(body),
         b"connection: close\r\n\r\n",
@@ -100,13 +101,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # uvicorn calls this when the parser refuses the request (``msg`` is its fixed plain-text line).
         if self._too_large:
             self.logger.warning("request headers over the limit")
-            self._refuse(431, f"the request line and headers are over the {MAX_HEADER_BYTES} byte limit; send "
-                              "shorter headers (big values belong in the body)", "headers_too_large")
+            self._refuse(ApiError(431, f"the request line and headers are over the {MAX_HEADER_BYTES} byte limit; "
+                                  "send shorter headers (big values belong in the body)", code="headers_too_large"))
         else:
-            self._refuse(400, "the request is not valid HTTP/1.1 (its request line, a header or the body's "
-                              "framing is malformed); fix the request and send it again", "invalid_http")
+            self._refuse(ApiError(400, "the request is not valid HTTP/1.1 (its request line, a header or the body's "
+                                  "framing is malformed); fix the request and send it again", code="invalid_http"))
 
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, err: ApiError) -> None:
         """Answer, then close gently: our side ends (FIN after the answer) while what the client is still sending
         is read and dropped for up to ``LINGER_SECONDS`` / ``LINGER_BYTES``. Closing at once with unread bytes
         makes the kernel reset the connection, and a reset can destroy the answer before the client reads it."""
@@ -115,7 +116,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:  # a route reading this body: it sees the client gone
             cycle.disconnected = True
             cycle.message_event.set()
-        self.transport.write(_error_response(status, message, code))
+        self.transport.write(_error_response(err))
         try:
             self.transport.write_eof()
         except (NotImplementedError, AttributeError, OSError, RuntimeError):  # TLS cannot half-close
