@@ -20,9 +20,13 @@ killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event l
 Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo", hidden size 576):
 
   overhead  prompt [1,2,3], max_tokens=1, 1 and 32 concurrent clients: mesh gRPC (InferenceService.Complete) and
-            REST (POST /v1/completions, httpx keep-alive pool) vs L1 / L2.
-  stream    64 concurrent streaming clients, max_tokens=256 each: StreamComplete and SSE vs L1's relay of 256
-            one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events), tokens/s in total.
+            REST (POST /v1/completions) vs L1 / L2. REST is driven by ``LightHttp`` (pre-built requests on
+            keep-alive connections, responses parsed by httptools), since httpx costs the bench process more CPU
+            per request than the bare route itself; the same two REST paths driven by httpx are printed beside them
+            as context.
+  stream    64 concurrent streaming clients, max_tokens=256 each: StreamComplete and SSE (read by ``LightHttp``)
+            vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
+            tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
             base64 of torch.save vs L3 / L4 (and L5, L6). MB/s of tensor bytes, median of the runs. Each payload is
             built once before timing, so the figures measure transport and decoding, not the client's encoding.
@@ -238,6 +242,84 @@ class BareServer:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# A light HTTP/1.1 load generator
+# --------------------------------------------------------------------------------------------------------------
+
+class _LightConnection(asyncio.Protocol):
+    """One keep-alive connection; the response parsed by httptools (llhttp), chunked bodies de-chunked."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: Any = None
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.on_piece: Callable[[bytes], None] | None = None
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, piece: bytes) -> None:
+        if self.on_piece is not None:
+            self.on_piece(piece)
+        else:
+            self.body.append(piece)
+
+    def on_message_complete(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        body, self.body = b"".join(self.body), []
+        if waiter is not None and not waiter.done():
+            waiter.set_result((self.parser.get_status_code(), body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"the server closed the connection ({exc})"))
+
+
+class LightHttp:
+    """A load generator for the REST rows that costs the machine little: pre-built request bytes written on a pool
+    of keep-alive connections, responses parsed in C. Through httpx (what the openai SDK uses) one bench process
+    spends ~0.5 ms of CPU per request — more than the bare Starlette route itself (~0.14 ms round trip) — so at 32
+    clients an httpx-driven L2 measured httpx, not the server (see README, Benchmarks)."""
+
+    def __init__(self, address: str) -> None:
+        host, _, port = address.rpartition("//")[2].rpartition(":")
+        self.host, self.port = host, int(port)
+        self._free: list[_LightConnection] = []
+
+    def post(self, path: str, body: bytes) -> bytes:
+        """The whole request, built once and sent as many times as wanted."""
+        return (f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    async def send(self, request: bytes, on_piece: Callable[[bytes], None] | None = None) -> tuple[int, bytes]:
+        """(status, body) of one request; with ``on_piece`` the body goes there piece by piece instead."""
+        conn = None
+        while self._free:
+            conn = self._free.pop()
+            if not conn.transport.is_closing():
+                break
+            conn = None
+        if conn is None:
+            _, conn = await asyncio.get_running_loop().create_connection(_LightConnection, self.host, self.port)
+        conn.on_piece = on_piece
+        conn.waiter = asyncio.get_running_loop().create_future()
+        conn.transport.write(request)
+        answer = await conn.waiter
+        self._free.append(conn)
+        return answer
+
+    def close(self) -> None:
+        for conn in self._free:
+            conn.transport.close()
+        self._free.clear()
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Figures and printing
 # --------------------------------------------------------------------------------------------------------------
 
@@ -275,6 +357,7 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
                          n_rounds: int, mesh_emb: Any = None, bare_h11: BareServer | None = None) -> dict[str, Any]:
     import grpc
     import httpx
+    import orjson
 
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.core.server import channel_options
@@ -293,6 +376,7 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
             pass
 
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    raw_body = orjson.dumps(body)
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     params = inference_pb2.CompletionParams(model=MODEL, prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
     params.sampling.max_tokens = 1
@@ -302,11 +386,11 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         choices=[inference_pb2.Choice(index=0, text="x")]).SerializeToString()
     out: dict[str, Any] = {}
     emb = mesh_emb or mesh
+    light = {name: LightHttp(address) for name, address in (
+        ("mesh", mesh.base_url), ("emb", emb.base_url), ("bare", bare_http.address),
+        ("h11", (bare_h11 or bare_http).address))}
     async with httpx.AsyncClient(base_url=mesh.base_url, limits=limits, timeout=60) as http, \
             httpx.AsyncClient(base_url=f"http://{bare_http.address}", limits=limits, timeout=60) as bare_h, \
-            httpx.AsyncClient(base_url=f"http://{(bare_h11 or bare_http).address}", limits=limits,
-                              timeout=60) as bare_h11_client, \
-            httpx.AsyncClient(base_url=emb.base_url, limits=limits, timeout=60) as http_emb, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(emb.preprocessor, options=channel_options()) as ch_emb, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options()) as bare_ch:
@@ -314,12 +398,17 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         stub_emb = inference_pb2_grpc.InferenceServiceStub(ch_emb)
         hop = bare_ch.unary_unary(BARE_SERVICE + "Unary")
 
+        def rest(name: str) -> Callable[[], Awaitable[None]]:
+            client = light[name]
+            request = client.post("/v1/completions", raw_body)
+
+            async def call() -> None:
+                status, answer = await client.send(request)
+                assert status == 200, answer
+            return call
+
         async def mesh_grpc_emb() -> None:
             await stub_emb.Complete(greq)
-
-        async def mesh_rest_emb() -> None:
-            r = await http_emb.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
 
         async def bare_grpc_call() -> None:
             await hop(small)
@@ -327,24 +416,24 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         async def mesh_grpc() -> None:
             await stub.Complete(greq)
 
-        async def bare_rest() -> None:
+        async def bare_rest_httpx() -> None:
             r = await bare_h.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
 
-        async def mesh_rest() -> None:
+        async def mesh_rest_httpx() -> None:
             r = await http.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
 
-        async def bare_rest_h11() -> None:
-            r = await bare_h11_client.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
+        bare_rest, mesh_rest, mesh_rest_emb, bare_rest_h11 = rest("bare"), rest("mesh"), rest("emb"), rest("h11")
 
         paths = {"engine": ("engine in-process (reference)", in_process),
                  "bare_grpc": ("L1 bare grpc.aio unary hop", bare_grpc_call),
                  "mesh_grpc": ("mesh gRPC: preproc->router->worker", mesh_grpc),
                  "bare_rest": ("L2 bare uvicorn+Starlette POST", bare_rest),
-                 "mesh_rest": ("mesh REST: gw->preproc->router->worker", mesh_rest)}
-        limit_of = {"mesh_grpc": "bare_grpc", "mesh_rest": "bare_rest"}
+                 "mesh_rest": ("mesh REST: gw->preproc->router->worker", mesh_rest),
+                 "bare_rest_httpx": ("  L2 driven by httpx (context)", bare_rest_httpx),
+                 "mesh_rest_httpx": ("  mesh REST driven by httpx (context)", mesh_rest_httpx)}
+        limit_of = {"mesh_grpc": "bare_grpc", "mesh_rest": "bare_rest", "mesh_rest_httpx": "bare_rest_httpx"}
         if bare_h11 is not None:  # context, not a limit: the same route on uvicorn's pure-Python parser
             paths["bare_rest_h11"] = ("  L2 on h11 (context, not the limit)", bare_rest_h11)
         if mesh_emb is not None:  # the same mesh with the router inside the preprocessor (no routing hop)
@@ -367,6 +456,8 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
                          if k in limit_of else "")
                 print(f"  {label:<38} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {s['p99_over_p50']:8.2f} "
                       f"{s['rps']:8.0f}{extra}")
+    for client in light.values():
+        client.close()
 
     c1, c32 = out["c1"], out["c32"]
     eng = c1["engine"]["p50_ms"]
@@ -403,6 +494,14 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
         out["rest_rps_pct_of_h11_c32"] = h11
         print(f" the same bare route on h11 (uvicorn's pure-Python parser; the gateway uses httptools, as L2 does): "
               f"32 clients {c32['bare_rest_h11']['rps']:.0f} req/s; mesh REST {h11:.0f} % of it (context)")
+    hx_added = (c1["mesh_rest_httpx"]["p50_ms"] - eng) / c1["bare_rest_httpx"]["p50_ms"]
+    out["rest_httpx"] = {"added_p50_bare_hops": hx_added,
+                         "rps_pct_of_bare_c32": c32["mesh_rest_httpx"]["rps_pct_of_limit"],
+                         "p99_over_p50_c32": c32["mesh_rest_httpx"]["p99_over_p50"]}
+    print(f" both REST rows driven by httpx instead (context: the load generator then costs more CPU than the bare "
+          f"route): {hx_added:.2f} L2 hops added; 32 clients {c32['mesh_rest_httpx']['rps_pct_of_limit']:.0f} % of "
+          f"L2, p99/p50 {c32['mesh_rest_httpx']['p99_over_p50']:.2f} (L2 itself "
+          f"{c32['bare_rest_httpx']['p99_over_p50']:.2f})")
     return {"figures": out, "goals": goals}
 
 
@@ -433,7 +532,6 @@ def sse_tokens(buf: bytearray, chunk: bytes, parse: Callable[[bytes], Any]) -> t
 async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, per_client: int,
                        n_rounds: int) -> dict[str, Any]:
     import grpc
-    import httpx
     import orjson
 
     from embedmesh.core.server import channel_options
@@ -453,12 +551,9 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     params.sampling.max_tokens = STREAM_TOKENS
     sreq = inference_pb2.StreamCompleteRequest(params=params)
     body = orjson.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": STREAM_TOKENS, "stream": True})
-    limits = httpx.Limits(max_connections=STREAM_CLIENTS + 8, max_keepalive_connections=STREAM_CLIENTS + 8)
-    json_headers = {"content-type": "application/json"}
-
-    async with httpx.AsyncClient(base_url=mesh.base_url, limits=limits, timeout=120) as http, \
-            httpx.AsyncClient(base_url=f"http://{bare_http.address}", limits=limits, timeout=120) as bare_h, \
-            grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
+    light_mesh, light_bare = LightHttp(mesh.base_url), LightHttp(bare_http.address)
+    mesh_sse_req, bare_sse_req = light_mesh.post("/v1/completions", body), light_bare.post("/sse", sse_req)
+    async with grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options()) as bare_ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         relay = bare_ch.unary_stream(BARE_SERVICE + "Stream")
@@ -475,21 +570,24 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
                 n += len(m.token_ids)
             return n
 
-        async def sse(client: httpx.AsyncClient, path: str, content: bytes) -> int:
+        async def sse(client: LightHttp, request: bytes) -> int:
             n, done, buf = 0, False, bytearray()
-            async with client.stream("POST", path, content=content, headers=json_headers) as r:
-                assert r.status_code == 200, await r.aread()
-                async for chunk in r.aiter_bytes():
-                    k, d = sse_tokens(buf, chunk, orjson.loads)
-                    n, done = n + k, done or d
+
+            def piece(chunk: bytes) -> None:
+                nonlocal n, done
+                k, d = sse_tokens(buf, chunk, orjson.loads)
+                n, done = n + k, done or d
+
+            status, answer = await client.send(request, piece)
+            assert status == 200, answer
             assert done, "stream ended without [DONE]"
             return n
 
         async def bare_sse() -> int:
-            return await sse(bare_h, "/sse", sse_req)
+            return await sse(light_bare, bare_sse_req)
 
         async def mesh_sse() -> int:
-            return await sse(http, "/v1/completions", body)
+            return await sse(light_mesh, mesh_sse_req)
 
         async def closed_loop(fn: Callable[[], Awaitable[int]]) -> tuple[list[float], float]:
             """STREAM_CLIENTS clients, each running ``per_client`` streams back to back; one 'latency' per token
@@ -512,6 +610,8 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
                  "bare_sse": ("L2 bare Starlette SSE relay", bare_sse),
                  "mesh_sse": ("mesh REST stream=true (SSE)", mesh_sse)}
         pooled = await rounds({k: (lambda fn=fn: closed_loop(fn)) for k, (_, fn) in paths.items()}, n_rounds)
+    light_mesh.close()
+    light_bare.close()
 
     res = {k: {"tokens": sum(v[0]), "streams": len(v[0]), "tok_s": sum(v[0]) / v[1], "streams_s": len(v[0]) / v[1]}
            for k, v in pooled.items()}
