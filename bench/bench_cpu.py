@@ -6,7 +6,9 @@ divided by N, after a warm-up; the load generator's own CPU is measured too. Mes
 time): the router as its own service, the router in the preprocessor (``--embedded-router``), and each again with
 ``--worker-streams off`` (a Generate call per request instead of a frame on the worker's GenerateMany stream) and with
 ``EMBEDMESH_EVENT_LOOP=asyncio`` (the standard loop instead of uvloop). The limit: the bare grpc.aio unary server of
-``bench_fastpath.py`` (L1), one hop.
+``bench_fastpath.py`` (L1), one hop. The first and third meshes are also driven over REST (``POST /v1/completions``
+through the gateway, by ``bench_fastpath.LightHttp``), beside the bare uvicorn + Starlette route (L2) driven the same
+way.
 
     python bench/bench_cpu.py [--quick] [--requests N]
 """
@@ -26,12 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_fastpath import BARE_SERVICE, BENCH_ENV, BareServer  # noqa: E402
+from bench_fastpath import BARE_SERVICE, BENCH_ENV, BareServer, LightHttp  # noqa: E402
 from flamegraphs import service_pids  # noqa: E402
 
 from tests.support.mesh import start_mesh  # noqa: E402
 
-ORDER = ("preprocessor", "router", "worker")
+ORDER = ("gateway", "preprocessor", "router", "worker")
+REST_TOO = {"router service", "router in the preprocessor"}
+"""Variants also driven over REST (POST /v1/completions through the gateway, by the light HTTP client)."""
+REST_BODY = b'{"model": "echo", "prompt": [1, 2, 3], "max_tokens": 1}'
 
 STREAMS_OFF = {"EMBEDMESH_PREPROCESSOR_WORKER_STREAMS": "off"}
 VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
@@ -66,6 +71,20 @@ async def measure(call: Any, n: int, pids: dict[str, Any]) -> dict[str, float]:
     out["p50_ms"] = statistics.median(lat) * 1e3
     out["mean_ms"] = wall / n * 1e3
     return out
+
+
+async def _rest_run(address: str, n: int, pids: dict[str, Any]) -> dict[str, float]:
+    client = LightHttp(address)
+    request = client.post("/v1/completions", REST_BODY)
+
+    async def call() -> None:
+        status, answer = await client.send(request)
+        assert status == 200, answer
+
+    try:
+        return await measure(call, n, pids)
+    finally:
+        client.close()
 
 
 async def _mesh_run(address: str, request: Any, n: int, pids: dict[str, str]) -> dict[str, float]:
@@ -110,13 +129,23 @@ def main() -> int:
         rows.append(("L1 bare grpc.aio unary hop", asyncio.run(bare_run())))
     finally:
         bare.stop()
+    bare_http = BareServer("http", dict(os.environ))
+    try:
+        bare_http.wait_ready()
+        rest_rows = [("L2 bare uvicorn + Starlette route (light HTTP client)",
+                      asyncio.run(_rest_run(bare_http.address, n, {"server": bare_http.proc.pid})))]
+    finally:
+        bare_http.stop()
 
     for label, args, env in VARIANTS:
         mesh = start_mesh(engine="echo", workers=1, extra_args=args, env=env)
         try:
             pids = {k: v for k, v in service_pids(mesh.proc.pid).items() if k in ORDER}
+            grpc_pids = {k: v for k, v in pids.items() if k != "gateway"}
 
-            rows.append((f"mesh gRPC, {label}", asyncio.run(_mesh_run(mesh.preprocessor, request, n, pids))))
+            rows.append((f"mesh gRPC, {label}", asyncio.run(_mesh_run(mesh.preprocessor, request, n, grpc_pids))))
+            if label in REST_TOO:
+                rest_rows.append((f"mesh REST, {label}", asyncio.run(_rest_run(mesh.base_url, n, pids))))
         finally:
             mesh.stop()
 
@@ -130,6 +159,16 @@ def main() -> int:
     ratios = [f"{label.removeprefix('mesh gRPC, ')} x{sum(v for k, v in fig.items() if k in cols) / bare_sum:.2f}"
               for label, fig in rows[1:]]
     print("\n  the mesh's CPU per request over a bare hop's (both with their load generator): " + ", ".join(ratios))
+    print()
+    l2_sum = sum(v for k, v in rest_rows[0][1].items() if k in cols)
+    for label, fig in rest_rows:
+        total = sum(v for k, v in fig.items() if k in cols)
+        print(f"  {label:<58}" + "".join(f"{fig[c]:>13.3f}" if c in fig else f"{'':>13}" for c in cols)
+              + f"{total:>9.3f}{fig['p50_ms']:>9.3f}")
+    ratios = [f"{label.removeprefix('mesh REST, ')} x{sum(v for k, v in fig.items() if k in cols) / l2_sum:.2f}"
+              for label, fig in rest_rows[1:]]
+    print("\n  REST: the mesh's CPU per request over the bare route's (both with their load generator): "
+          + ", ".join(ratios))
     return 0
 
 

@@ -28,8 +28,9 @@ Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo",
             vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
             tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
-            base64 of torch.save vs L3 / L4 (and L5, L6). MB/s of tensor bytes, median of the runs. Each payload is
-            built once before timing, so the figures measure transport and decoding, not the client's encoding.
+            base64 of torch.save (sent by ``LightHttp``; by httpx too, as context) vs L3 / L4 (and L5, L6). MB/s
+            of tensor bytes, median of the runs. Each payload is built once before timing, so the figures measure
+            transport and decoding, not the client's encoding.
 
 Runs are interleaved (limit, mesh, limit, mesh, ...) in rounds so that load from other work on the machine hits
 both sides alike. The last line is ``FASTPATH_JSON {...}`` with every figure, ratio and goal.
@@ -691,8 +692,10 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
         bare_decode()
         dec.append(time.perf_counter() - t0)
 
+    light_mesh, light_bare = LightHttp(mesh.base_url), LightHttp(bare_http.address)
+    mesh_rest_req = light_mesh.post("/v1/completions", rest_body)
+    bare_rest_req = light_bare.post("/decode", rest_body)
     async with httpx.AsyncClient(base_url=mesh.base_url, timeout=300) as http, \
-            httpx.AsyncClient(base_url=f"http://{bare_http.address}", timeout=300) as bare_h, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options(512 * MiB)) as bare_ch:
         complete_raw = ch.unary_unary("/embedmesh.inference.v1.InferenceService/Complete", request_serializer=None,
@@ -726,10 +729,14 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
             assert r.usage.completion_tokens == 1
 
         async def bare_http_decode() -> None:
-            r = await bare_h.post("/decode", content=rest_body, headers={"content-type": "application/json"})
-            assert r.status_code == 200 and r.json()["bytes"] == len(saved), r.text
+            status, answer = await light_bare.send(bare_rest_req)
+            assert status == 200 and orjson.loads(answer)["bytes"] == len(saved), answer
 
         async def mesh_rest() -> None:
+            status, answer = await light_mesh.send(mesh_rest_req)
+            assert status == 200, answer
+
+        async def mesh_rest_httpx() -> None:
             r = await http.post("/v1/completions", content=rest_body, headers={"content-type": "application/json"})
             assert r.status_code == 200, r.text
 
@@ -744,10 +751,13 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
                  "mesh_grpc": ("mesh gRPC raw Tensor bytes, one message", mesh_grpc),
                  "mesh_grpc_chunks": ("mesh gRPC CompleteChunks, 1 MiB pieces", mesh_grpc_chunks),
                  "bare_http_decode": ("L6 bare Starlette route: body + L4's work", bare_http_decode),
-                 "mesh_rest": ("mesh REST base64 torch.save", mesh_rest)}
+                 "mesh_rest": ("mesh REST base64 torch.save", mesh_rest),
+                 "mesh_rest_httpx": ("  the same sent by httpx (context)", mesh_rest_httpx)}
         for _, fn in paths.values():  # warm-up
             await fn()
         pooled = await rounds({k: (lambda fn=fn: timed(fn)) for k, (_, fn) in paths.items()}, repeats)
+    light_mesh.close()
+    light_bare.close()
 
     res = {k: {"median_ms": statistics.median(v[0]) * 1e3, "runs": len(v[0])} for k, v in pooled.items()}
     res["bare_decode"] = {"median_ms": statistics.median(dec) * 1e3, "runs": len(dec)}
@@ -758,13 +768,15 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     res["mesh_grpc"]["pct_of_one_message"] = 100 * res["mesh_grpc"]["mb_s"] / res["bare_one"]["mb_s"]
     res["mesh_rest"]["pct_of_limit"] = 100 * res["mesh_rest"]["mb_s"] / res["bare_decode"]["mb_s"]
     res["mesh_rest"]["pct_of_http"] = 100 * res["mesh_rest"]["mb_s"] / res["bare_http_decode"]["mb_s"]
+    res["mesh_rest_httpx"]["pct_of_limit"] = 100 * res["mesh_rest_httpx"]["mb_s"] / res["bare_decode"]["mb_s"]
     labels = {"bare_chunked": paths["bare_chunked"][0], "bare_one": paths["bare_one"][0],
               "bare_decode": "L4 in-process orjson+b64decode+frombuffer",
               "mesh_grpc": paths["mesh_grpc"][0], "mesh_grpc_chunks": paths["mesh_grpc_chunks"][0],
-              "bare_http_decode": paths["bare_http_decode"][0], "mesh_rest": paths["mesh_rest"][0]}
+              "bare_http_decode": paths["bare_http_decode"][0], "mesh_rest": paths["mesh_rest"][0],
+              "mesh_rest_httpx": paths["mesh_rest_httpx"][0]}
     print(f"  {'path':<44} {'median ms':>10} {'MB/s':>8}   mesh/limit")
     for k in ("bare_chunked", "bare_one", "mesh_grpc_chunks", "mesh_grpc", "bare_decode", "bare_http_decode",
-              "mesh_rest"):
+              "mesh_rest", "mesh_rest_httpx"):
         s = res[k]
         extra = ""
         if k == "mesh_grpc":
@@ -773,6 +785,8 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
             extra = f"   {s['pct_of_limit']:.0f} % of L3 (the same shape: 1 MiB pieces)"
         elif k == "mesh_rest":
             extra = f"   {s['pct_of_limit']:.0f} % of L4, {s['pct_of_http']:.0f} % of L6"
+        elif k == "mesh_rest_httpx":
+            extra = f"   {s['pct_of_limit']:.0f} % of L4"
         print(f"  {labels[k]:<44} {s['median_ms']:10.1f} {s['mb_s']:8.0f}{extra}")
     print(" goals:")
     goals = {
