@@ -64,6 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+# before anything imports grpc: the bare limits, the load generator and the mesh run gRPC's core alike
+import embedmesh.core.grpc_runtime  # noqa: E402, F401, I001
 from bench_mesh import drive, pct  # noqa: E402
 
 from embedmesh.core.server import run_service  # noqa: E402

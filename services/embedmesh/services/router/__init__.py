@@ -6,6 +6,8 @@ workers, event batches, liveness), ``scoring`` (the cost model), ``policy`` (one
 ``worker.router_link``.
 """
 
+import embedmesh.core.grpc_runtime  # noqa: F401 - first: gRPC reads its settings when it is imported
+
 __all__ = ["RadixIndexer", "KvRouter", "Registry", "Weights"]
 
 from embedmesh.services.router.indexer import RadixIndexer
