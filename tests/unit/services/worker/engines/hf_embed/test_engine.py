@@ -56,6 +56,36 @@ async def test_concurrent_requests_share_forward_passes(engine: HFEmbedEngine) -
     np.testing.assert_allclose(results[1][0], alone, atol=1e-5)
 
 
+def test_a_lone_request_is_not_held_back_for_company() -> None:
+    """By default the engine takes what waits and starts: collecting never blocks on the inbox (it used to wait
+    2 ms for more requests after every first one, which each request paid at low load)."""
+    import queue
+
+    class Recording(queue.Queue):  # type: ignore[type-arg]
+        blocking_gets: list[Any] = []
+
+        def get(self, block: bool = True, timeout: float | None = None) -> Any:
+            if block:
+                self.blocking_gets.append(timeout)
+            return super().get(block, timeout)
+
+    from types import SimpleNamespace
+
+    e = HFEmbedEngine(HFEmbedConfig(minilm_dir(), "all-MiniLM-L6-v2"))
+    e._inbox = Recording()
+    first = SimpleNamespace(inputs=["a"])
+    assert e._collect(first) == [first]  # type: ignore[arg-type]
+    queued = [SimpleNamespace(inputs=["b"]), SimpleNamespace(inputs=["c", "d"])]
+    for job in queued:
+        e._inbox.put(job)  # type: ignore[arg-type]
+    assert e._collect(first) == [first, *queued]  # type: ignore[arg-type]
+    assert Recording.blocking_gets == []
+    waiting = HFEmbedEngine(HFEmbedConfig(minilm_dir(), "all-MiniLM-L6-v2", batch_wait_ms=5))
+    waiting._inbox = Recording()
+    assert waiting._collect(first) == [first]  # type: ignore[arg-type]
+    assert Recording.blocking_gets == [0.005]
+
+
 async def test_dimensions() -> None:
     e = HFEmbedEngine(HFEmbedConfig(minilm_dir(), "matryoshka-test", supports_dimensions=True))
     await e.start()
