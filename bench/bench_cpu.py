@@ -97,6 +97,21 @@ async def _mesh_run(address: str, request: Any, n: int, pids: dict[str, str]) ->
         return await measure(lambda: stub.Complete(request), n, pids)
 
 
+COLUMNS = ["server", *ORDER, "client"]
+
+
+def _table(rows: list[tuple[str, dict[str, float]]], prefix: str, ratio_line: str) -> None:
+    """Print ``rows`` (the first one the limit) and each mesh row's CPU sum over the limit's."""
+    print(f"\n  {'path':<58}" + "".join(f"{c:>13}" for c in COLUMNS) + f"{'sum':>9}{'p50 ms':>9}")
+    sums = [sum(v for k, v in fig.items() if k in COLUMNS) for _, fig in rows]
+    for (label, fig), total in zip(rows, sums, strict=True):
+        print(f"  {label:<58}" + "".join(f"{fig[c]:>13.3f}" if c in fig else f"{'':>13}" for c in COLUMNS)
+              + f"{total:>9.3f}{fig['p50_ms']:>9.3f}")
+    ratios = [f"{label.removeprefix(prefix)} x{total / sums[0]:.2f}"
+              for (label, _), total in zip(rows[1:], sums[1:], strict=True)]
+    print(f"\n  {ratio_line} (both with their load generator): " + ", ".join(ratios))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -149,26 +164,9 @@ def main() -> int:
         finally:
             mesh.stop()
 
-    cols = ["server", *ORDER, "client"]
-    print(f"\n  {'path':<58}" + "".join(f"{c:>13}" for c in cols) + f"{'sum':>9}{'p50 ms':>9}")
-    bare_sum = sum(v for k, v in rows[0][1].items() if k in cols)
-    for label, fig in rows:
-        total = sum(v for k, v in fig.items() if k in cols)
-        print(f"  {label:<58}" + "".join(f"{fig[c]:>13.3f}" if c in fig else f"{'':>13}" for c in cols)
-              + f"{total:>9.3f}{fig['p50_ms']:>9.3f}")
-    ratios = [f"{label.removeprefix('mesh gRPC, ')} x{sum(v for k, v in fig.items() if k in cols) / bare_sum:.2f}"
-              for label, fig in rows[1:]]
-    print("\n  the mesh's CPU per request over a bare hop's (both with their load generator): " + ", ".join(ratios))
+    _table(rows, "mesh gRPC, ", "the mesh's CPU per request over a bare hop's")
     print()
-    l2_sum = sum(v for k, v in rest_rows[0][1].items() if k in cols)
-    for label, fig in rest_rows:
-        total = sum(v for k, v in fig.items() if k in cols)
-        print(f"  {label:<58}" + "".join(f"{fig[c]:>13.3f}" if c in fig else f"{'':>13}" for c in cols)
-              + f"{total:>9.3f}{fig['p50_ms']:>9.3f}")
-    ratios = [f"{label.removeprefix('mesh REST, ')} x{sum(v for k, v in fig.items() if k in cols) / l2_sum:.2f}"
-              for label, fig in rest_rows[1:]]
-    print("\n  REST: the mesh's CPU per request over the bare route's (both with their load generator): "
-          + ", ".join(ratios))
+    _table(rest_rows, "mesh REST, ", "REST: the mesh's CPU per request over the bare route's")
     return 0
 
 
