@@ -10,7 +10,8 @@ killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event l
   L2  a bare uvicorn + Starlette app (the gateway's uvicorn settings: uvloop, httptools): one POST route that
       orjson-parses the body and answers a small completion-shaped JSON, and one SSE route relaying events shaped
       like the gateway's. The overhead section also drives the same app on h11 (uvicorn's pure-Python parser) as a
-      context row: inside this bench the httptools route measured slower at 32 clients than the h11 one.
+      context row (driven by httpx, the httptools route once measured slower at 32 clients than the h11 one;
+      driven by ``LightHttp`` it is about twice as fast).
   L3  L1's stream_unary sink receiving the 64 MiB tensor as 1 MiB chunks.
   L4  in this process: orjson.loads of the REST JSON body + pybase64.b64decode + numpy.frombuffer.
   L5  L1's unary sink receiving the 64 MiB tensor as one message (512 MiB message limits on both sides).
