@@ -288,7 +288,7 @@ class LightHttp:
     """A load generator for the REST rows that costs the machine little: pre-built request bytes written on a pool
     of keep-alive connections, responses parsed in C. Through httpx (what the openai SDK uses) one bench process
     spends ~0.5 ms of CPU per request — more than the bare Starlette route itself (~0.14 ms round trip) — so at 32
-    clients an httpx-driven L2 measured httpx, not the server (see README, Benchmarks)."""
+    clients an httpx-driven L2 measured httpx, not the server (see docs/benchmarks.md)."""
 
     def __init__(self, address: str) -> None:
         host, _, port = address.rpartition("//")[2].rpartition(":")

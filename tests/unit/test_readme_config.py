@@ -1,6 +1,6 @@
-"""The README's Configuration section matches the code: the generated tables are exactly what
-``scripts/config_table.py`` renders from the config dataclasses (every field's variable is listed, none that nothing
-reads), and every variable the hand-written rows name is read somewhere."""
+"""``docs/configuration.md`` matches the code: the generated tables are exactly what ``scripts/config_table.py``
+renders from the config dataclasses (every field's variable is listed, none that nothing reads), every variable the
+hand-written rows name is read somewhere, and the README sends its readers there."""
 
 from __future__ import annotations
 
@@ -26,10 +26,6 @@ def _script() -> ModuleType:
 TABLE = _script()
 
 
-def _section(readme: str) -> str:
-    return readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-
-
 def _names(text: str) -> set[str]:
     return set(re.findall(r"`((?:EMBEDMESH|REDIS|OTEL)_[A-Z0-9_]+)`", text))
 
@@ -39,10 +35,9 @@ def _config_variables() -> set[str]:
     return {name.lstrip("!") for _, _, cls in TABLE.configs() for o in cls.options() for name in (o.env, *o.aliases)}
 
 
-def problems(readme: str, corpus: str) -> list[str]:
-    """What is wrong with the README's Configuration section (empty when it matches the code)."""
-    section = _section(readme)
-    generated = TABLE.readme_block(section)
+def problems(page: str, corpus: str) -> list[str]:
+    """What is wrong with docs/configuration.md's text (empty when it matches the code)."""
+    generated = TABLE.generated_block(page)
     if not generated:
         return ["the generated tables' markers are missing"]
     out = []
@@ -52,24 +47,35 @@ def problems(readme: str, corpus: str) -> list[str]:
     out += [f"{n} is in the generated table but no config reads it" for n in sorted(listed - read)]
     if not out and generated != TABLE.render():
         out.append("the generated tables differ from scripts/config_table.py's output (flags, defaults or help)")
-    by_hand = _section(readme).replace(generated, "")
+    by_hand = page.replace(generated, "")
     out += [f"{n} (hand-written row) is read by nothing" for n in sorted(_names(by_hand) - read)
             if not re.search(rf"\b{n}\b", corpus)]
     return out
 
 
 def _readme() -> str:
-    return (ROOT / "README.md").read_text()
+    """docs/configuration.md, where the README's configuration tables moved (the name stays for the tests below)."""
+    return (ROOT / "docs" / "configuration.md").read_text()
 
 
 def _corpus() -> str:
     return "\n".join(p.read_text() for p in SOURCES)
 
 
-def test_the_readme_configuration_section_matches_the_code() -> None:
+def test_the_configuration_page_matches_the_code() -> None:
     assert TABLE.configs(), "no config listed in scripts/config_table.py"
-    assert len(_names(TABLE.readme_block(_readme()))) >= 40  # the tables are there
+    assert len(_names(TABLE.generated_block(_readme()))) >= 40  # the tables are there
     assert problems(_readme(), _corpus()) == []
+
+
+def test_the_readme_links_the_configuration_page_and_holds_no_table_of_its_own() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "(docs/configuration.md)" in readme
+    assert TABLE.BEGIN not in readme and TABLE.END not in readme
+
+
+def test_missing_markers_fail() -> None:
+    assert problems(_readme().replace(TABLE.BEGIN, ""), _corpus()) == ["the generated tables' markers are missing"]
 
 
 def test_a_variable_missing_from_the_table_fails() -> None:
