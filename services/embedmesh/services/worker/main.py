@@ -5,6 +5,7 @@ serve it (NOT_SERVING until the model is loaded). No engine is named here: what 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from embedmesh.core.logs import get_logger, setup_logging
 from embedmesh.core.security import configure_from_argv
 from embedmesh.core.server import Server, ServerOptions, run_service
 from embedmesh.core.telemetry import setup_tracing
+from embedmesh.models.convert import ModelNotFound
 from embedmesh.router.v1 import router_pb2
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines.base import Engine
@@ -96,7 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("worker")
     setup_tracing("worker")
     log.info("config", extra={"config": config.describe()})
-    run_service(serve(config))
+    try:
+        run_service(serve(config))
+    except ModelNotFound as e:
+        # The operator's to fix (a volume not mounted, a wrong --model): one line saying what to pass, exit status
+        # 2 as for a bad flag, no traceback, so a restarting container's log keeps showing the reason.
+        print(f"embedmesh-worker: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

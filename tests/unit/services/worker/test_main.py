@@ -1,9 +1,11 @@
-"""The worker's bootstrap (``worker/main.py``): it names no engine, and ``--lora-modules`` adapters load before the
-worker serves, a bad one stopping the worker with the reason."""
+"""The worker's bootstrap (``worker/main.py``): it names no engine, ``--lora-modules`` adapters load before the
+worker serves, a bad one stopping the worker with the reason, and a model that is not there stops it with one line."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,14 @@ def test_no_lora_modules_loads_nothing(tmp_path: Path) -> None:
     engine = _LoraEcho()
     asyncio.run(worker_main._load_lora_modules(engine, WorkerConfig(engine="echo"), tmp_path))
     assert engine.loaded == []
+
+
+def test_a_missing_model_stops_the_worker_with_one_line_and_status_2(tmp_path: Path) -> None:
+    # What a container whose model volume is not mounted prints, again at every restart: the reason, no traceback.
+    missing = tmp_path / "models" / "llm"
+    r = subprocess.run([sys.executable, "-m", "embedmesh.services.worker.main", "--engine", "hf", "--port", "0",
+                        "--model", str(missing)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"embedmesh-worker: error: model '{missing}': no config.json in that folder"), r.stderr
