@@ -60,7 +60,7 @@ def section(script: str, args: list[str], output: str, when: datetime | None = N
     when = when or datetime.now(UTC)
     load = os.getloadavg()[0] if load is None else load
     command = " ".join(["python", f"bench/{script}", *args])
-    head = (f"Last run: {when:%Y-%m-%d %H:%M} UTC, `{command}` under `make bench` "
+    head = (f"Last run: {when:%Y-%m-%d %H:%M} UTC, `{command}` by `bench/run_all.py` "
             f"({os.cpu_count()} CPUs, load average {load:.2f} at its end).")
     body = figures(output)
     return head + "\n\n" + (body if body else "(the script printed no figures)")

@@ -95,7 +95,7 @@ def test_a_run_replaces_its_own_section_and_nothing_else() -> None:
     new = writer.replace(page, "bench_lora.py", writer.section("bench_lora.py", ["--quick"], LORA_OUTPUT, when, 1.5))
     text = writer.current(new, "bench_lora.py")
     assert text is not None
-    assert text.startswith("Last run: 2026-11-27 07:05 UTC, `python bench/bench_lora.py --quick` under `make bench`")
+    assert text.startswith("Last run: 2026-11-27 07:05 UTC, `python bench/bench_lora.py --quick` by `bench/run_all.py`")
     assert "load average 1.50" in text and "| hf | base only | 59.0 | 1.00 |" in text
     for script in run_all.SCRIPTS:
         if script != "bench_lora.py":
