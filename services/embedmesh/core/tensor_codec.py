@@ -30,6 +30,12 @@ would give them; a stride of a dimension of size 0 or 1 addresses nothing and is
     SPARSE_TENSOR      a sparse layout (COO, CSR, ...)
     UNSUPPORTED_DTYPE  complex, quantized, float8, uint16/32/64 ...
     TOO_LARGE          the dense or storage size is over the cap
+    COMPRESSED_ENTRY   an entry read is compressed (torch.save never compresses; a DEFLATE stream can claim a small
+                       size in the zip headers and inflate to gigabytes)
+
+Archive entries are never trusted for their sizes: every entry read must be STORED; the storage is viewed in place
+(bounded by the request's own bytes), and the small entries (``data.pkl``, ``byteorder``) are read through a
+bounded stream of at most their limit plus one byte, whatever their headers claim (``_read_small_entry``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ DEFAULT_CAP_NAME = "EMBEDMESH_MAX_EMBEDS_BYTES"
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_PICKLE_BYTES = 1 << 20
+_MAX_BYTEORDER_BYTES = 16
 """data.pkl of one tensor is a few hundred bytes; anything large is not a plain tensor."""
 _MAX_SAFETENSORS_HEADER = 1 << 20
 """The JSON header of a one-tensor safetensors file is under a hundred bytes."""
@@ -69,6 +76,8 @@ _STORAGES: dict[str, tuple[np.dtype, int]] = {i.torch_storage: (i.numpy, k) for 
 
 _SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, int]] = {i.safetensors: (i.numpy, k) for k, i in DTYPES.items()}
 
+_COMPRESSED = ("the archive has a compressed entry; torch.save never compresses: send the bytes torch.save wrote, "
+               "unchanged, or a safetensors file")
 _DENSE_HINT = "send one plain dense tensor: torch.save(t.detach().cpu().contiguous())"
 
 
@@ -311,10 +320,9 @@ def _parse_torch_save(data: bytes | memoryview, max_bytes: int, field: str, cap_
     if len(pkl) != 1:
         raise _bad(field, "NOT_A_TENSOR", "zip archive without exactly one data.pkl: not a torch.save file")
     prefix = pkl[0][: -len("data.pkl")]
-    if archive.getinfo(pkl[0]).file_size > _MAX_PICKLE_BYTES:
-        raise _bad(field, "NOT_A_TENSOR", "the archive's pickle is far larger than a single tensor's")
+    raw = _read_small_entry(archive, pkl[0], _MAX_PICKLE_BYTES, field)
     try:
-        obj = _SafeUnpickler(io.BytesIO(archive.read(pkl[0]))).load()
+        obj = _SafeUnpickler(io.BytesIO(raw)).load()
     except _Refused as e:
         raise _bad(field, e.reason, e.message) from None
     except Exception as e:  # noqa: BLE001 - any malformed pickle or archive is a client error
@@ -369,7 +377,7 @@ class StoredTensor:
 def stored_tensor(data: bytes | memoryview, *, max_bytes: int, field: str,
                   cap_name: str = DEFAULT_CAP_NAME) -> StoredTensor | None:
     """The tensor of ``torch.save(tensor)`` bytes as a view of them, when its values lie there as a wire tensor's
-    would: an uncompressed little-endian storage that the tensor covers whole, from its start, in C order, not
+    would: a little-endian storage that the tensor covers whole, from its start, in C order, not
     negated — what ``torch.save`` of a contiguous tensor writes. None otherwise (``decode_torch_save`` then gives the
     values). A broken or unsafe file raises the same ``InvalidArgument`` as ``decode_torch_save``; the view's values
     are not checked here (NaN/Inf, shape against a model: the caller's rules, as for any wire tensor)."""
@@ -384,11 +392,7 @@ def stored_tensor(data: bytes | memoryview, *, max_bytes: int, field: str,
         step *= d
     if tuple(reversed(contiguous)) != p.strides:
         return None
-    try:
-        stored = p.archive.getinfo(p.storage_name).compress_type == zipfile.ZIP_STORED
-    except KeyError:
-        stored = False
-    if not stored or _byteorder(p.archive, p.prefix, field) != "little":
+    if _byteorder(p.archive, p.prefix, field) != "little":
         return None
     view = _read_storage(p.archive, data, p.storage_name, p.count * p.np_dtype.itemsize, field)
     return StoredTensor(memoryview(view).cast("B"), p.dtype, tuple(int(d) for d in obj.size))
@@ -424,7 +428,8 @@ def _read_storage(archive: zipfile.ZipFile, data: bytes, name: str, nbytes: int,
     """The storage's bytes, exactly ``nbytes`` of them.
 
     torch.save stores entries uncompressed; those are viewed in place (no copy, and no CRC check: a flipped bit
-    only changes values, which the validator still checks for NaN/Inf). Compressed entries go through zipfile.
+    only changes values, which the validator still checks for NaN/Inf). A compressed entry is refused before a byte
+    of it is inflated: its headers' sizes are claims, and DEFLATE turns ~1 MB into 1 GiB.
     """
     try:
         info = archive.getinfo(name)
@@ -434,29 +439,48 @@ def _read_storage(archive: zipfile.ZipFile, data: bytes, name: str, nbytes: int,
     if info.file_size != nbytes:
         raise _bad(field, "NOT_A_TENSOR",
                    f"storage holds {info.file_size} bytes but the tensor header needs {nbytes} (truncated file?)")
-    if info.compress_type == zipfile.ZIP_STORED:
-        start = info.header_offset
-        local = bytes(data[start:start + 30])
-        if len(local) == 30 and local[:4] == _ZIP_MAGIC:
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            begin = start + 30 + name_len + extra_len
-            if begin + nbytes <= len(data):
-                return memoryview(data)[begin:begin + nbytes]
-        raise _bad(field, "NOT_A_TENSOR", "storage entry runs past the end of the file (truncated file?)")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _bad(field, "COMPRESSED_ENTRY", _COMPRESSED)
+    start = info.header_offset
+    local = bytes(data[start:start + 30])
+    if len(local) == 30 and local[:4] == _ZIP_MAGIC:
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        begin = start + 30 + name_len + extra_len
+        if begin + nbytes <= len(data):
+            return memoryview(data)[begin:begin + nbytes]
+    raise _bad(field, "NOT_A_TENSOR", "storage entry runs past the end of the file (truncated file?)")
+
+
+def _read_small_entry(archive: zipfile.ZipFile, name: str, limit: int, field: str) -> bytes:
+    """An archive entry of at most ``limit`` bytes, read through a stream that stops at ``limit + 1``.
+
+    The zip headers' sizes are claims: ``ZipFile.read`` inflates a DEFLATE stream whole before comparing it with
+    them, so a 1 KB entry can allocate gigabytes. Reading at most one byte past the limit bounds memory by the
+    limit whatever the headers and the stream say. ``KeyError`` (no such entry) is left to the caller.
+    """
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _bad(field, "COMPRESSED_ENTRY", _COMPRESSED)
+    if info.file_size > limit:
+        raise _bad(field, "NOT_A_TENSOR", f"archive entry {name.rsplit('/', 1)[-1]!r} is larger than a single "
+                                          f"tensor's ({limit} bytes at most)")
     try:
-        return archive.read(name)
+        with archive.open(name) as f:
+            raw = f.read(limit + 1)
     except Exception as e:  # noqa: BLE001 - zlib.error, BadZipFile (CRC), EOFError...: the client's file is broken
-        raise _bad(field, "NOT_A_TENSOR", f"storage unreadable ({type(e).__name__}); truncated or corrupted file") \
-            from None
+        raise _bad(field, "NOT_A_TENSOR", f"archive entry unreadable ({type(e).__name__}); truncated or corrupted "
+                                          f"file") from None
+    if len(raw) > limit:
+        raise _bad(field, "NOT_A_TENSOR", f"archive entry {name.rsplit('/', 1)[-1]!r} holds more than its header "
+                                          f"declares (a forged archive)")
+    return raw
 
 
 def _byteorder(archive: zipfile.ZipFile, prefix: str, field: str) -> str:
     try:
-        raw = archive.read(f"{prefix}byteorder")
+        raw = _read_small_entry(archive, f"{prefix}byteorder", _MAX_BYTEORDER_BYTES, field)
     except KeyError:
         return "little"  # archives from before torch recorded it were all little-endian
-    except Exception:  # noqa: BLE001
-        raw = b"?"
     order = raw.strip().decode("ascii", "replace")
     if order not in ("little", "big"):
         raise _bad(field, "NOT_A_TENSOR", f"unknown byteorder record {order[:16]!r} in the archive")

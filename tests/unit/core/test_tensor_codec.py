@@ -216,16 +216,79 @@ def test_result_owns_its_memory() -> None:
     assert arr.flags.owndata and arr.flags.writeable
 
 
-def test_compressed_archive_decodes() -> None:
-    # torch writes entries uncompressed (read in place); a re-zipped file takes the zipfile path.
-    real = zipfile.ZipFile(io.BytesIO(saved(torch.randn(3, 5))))
+def rezipped(data: bytes) -> bytes:
+    """The same entries, DEFLATE-compressed (torch.load reads such a file; torch.save never writes one)."""
+    real = zipfile.ZipFile(io.BytesIO(data))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for n in real.namelist():
             z.writestr(n, real.read(n))
-    arr, _ = decode(buf.getvalue())
-    t = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    assert np.array_equal(arr, t.numpy())
+    return buf.getvalue()
+
+
+def bomb(data: bytes, entry_suffix: str, inflated: int) -> bytes:
+    """``data`` (a torch.save archive) with the entry ending in ``entry_suffix`` replaced by DEFLATE of its honest
+    bytes followed by zeros up to ``inflated`` bytes, while both zip headers still claim the honest size and CRC:
+    a ~``inflated/1000``-byte request that inflates to ``inflated`` bytes if a reader trusts the stream."""
+    import zlib
+
+    src = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    forged: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(out, "w") as z:
+        for n in src.namelist():
+            honest = src.read(n)
+            if not n.endswith(entry_suffix):
+                z.writestr(n, honest)
+                continue
+            info = zipfile.ZipInfo(n)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, honest + b"\0" * (inflated - len(honest)))
+            forged[n] = (len(honest), zlib.crc32(honest))
+    raw = bytearray(out.getvalue())
+    (name, (size, crc)), = forged.items()
+    encoded = name.encode()
+    local = raw.find(encoded) - 30  # the first occurrence of the name is its local header's
+    assert raw[local:local + 4] == b"PK\x03\x04"
+    struct.pack_into("<I", raw, local + 14, crc)
+    struct.pack_into("<I", raw, local + 22, size)
+    central = raw.find(b"PK\x01\x02")
+    while raw[central + 46:central + 46 + len(encoded)] != encoded:
+        central = raw.find(b"PK\x01\x02", central + 4)
+        assert central > 0
+    struct.pack_into("<I", raw, central + 16, crc)
+    struct.pack_into("<I", raw, central + 24, size)
+    return bytes(raw)
+
+
+def test_compressed_storage_is_refused_before_inflating() -> None:
+    # torch.save never compresses an entry, and a compressed one's sizes are claims: refused, not inflated.
+    data = rezipped(saved(torch.randn(3, 5)))
+    assert torch.load(io.BytesIO(data), weights_only=True).shape == (3, 5)  # a readable archive, all the same
+    with pytest.raises(InvalidArgument) as info:
+        decode(data)
+    assert info.value.field == FIELD and info.value.reason == "COMPRESSED_ENTRY"
+    assert "torch.save" in info.value.message
+
+
+@pytest.mark.parametrize("entry", ["/data/0", "data.pkl", "/byteorder"])
+def test_a_compression_bomb_with_honest_looking_headers_allocates_nothing_of_its_size(entry: str) -> None:
+    """The attack: a real [9, 576] float32 torch.save whose entry is DEFLATE of 256 MiB, headers claiming the honest
+    size and CRC. Refused with at most a few MiB allocated (zipfile's read() inflated the whole stream first)."""
+    payload = bomb(saved(torch.randn(9, 576)), entry, 256 << 20)
+    assert len(payload) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidArgument) as info:
+            decode(payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.field == FIELD and info.value.reason == "COMPRESSED_ENTRY", info.value.message
+    assert peak < 8 << 20, f"allocated {peak} bytes for a {len(payload)}-byte request"
+    with pytest.raises(InvalidArgument) as stored:
+        stored_tensor(payload, max_bytes=CAP, field=FIELD)  # the gateway's in-place path refuses it the same way
+    assert stored.value.reason == "COMPRESSED_ENTRY"
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -474,17 +537,12 @@ def test_property_any_view_round_trips(view: torch.Tensor) -> None:
 def test_views_of_received_bytes_decode_like_bytes() -> None:
     """The preprocessor hands the codec a view of the request bytes (core.wire): same values, same refusals."""
     t = torch.randn(7, 5)
-    real = zipfile.ZipFile(io.BytesIO(saved(t)))
-    zipped = io.BytesIO()
-    with zipfile.ZipFile(zipped, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        for n in real.namelist():
-            z.writestr(n, real.read(n))
-    for payload in (saved(t), zipped.getvalue(), st_save({"e": t})):
+    for payload in (saved(t), st_save({"e": t})):
         framed = b"xx" + payload + b"yy"  # a view inside a bigger buffer, as in a protobuf message
         arr, dtype = decode(memoryview(framed)[2:-2])
         expected, expected_dtype = decode(payload)
         assert dtype == expected_dtype and np.array_equal(arr, expected) and arr.flags.owndata
-    for name, payload, reason in BAD:
+    for name, payload, reason in [*BAD, ("re-zipped", lambda: rezipped(saved(t)), "COMPRESSED_ENTRY")]:
         with pytest.raises(InvalidArgument) as info:
             decode(memoryview(payload()))
         assert info.value.reason == reason, name
@@ -529,17 +587,14 @@ def test_stored_tensor_declines_layouts_whose_values_are_not_the_stored_bytes(ma
     assert arr.shape == tuple(make().shape)
 
 
-def test_stored_tensor_declines_big_endian_and_compressed_archives() -> None:
+def test_stored_tensor_declines_big_endian_and_refuses_compressed_archives() -> None:
     assert _stored(forged_tensor((2, 3), (3, 1), byteorder=b"little")) is not None
     assert _stored(forged_tensor((2, 3), (3, 1), byteorder=b"big")) is None
-    src = zipfile.ZipFile(io.BytesIO(saved(torch.ones(4, 4))))
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        for name in src.namelist():
-            z.writestr(name, src.read(name))
-    assert _stored(buf.getvalue()) is None
-    arr, _ = decode_torch_save(buf.getvalue(), max_bytes=CAP, field=FIELD)
-    assert arr.shape == (4, 4) and float(arr.sum()) == 16.0
+    zipped = rezipped(saved(torch.ones(4, 4)))
+    for read in (_stored, lambda d: decode_torch_save(d, max_bytes=CAP, field=FIELD)):
+        with pytest.raises(InvalidArgument) as info:
+            read(zipped)
+        assert info.value.reason == "COMPRESSED_ENTRY"
 
 
 @pytest.mark.parametrize("payload, reason", [
