@@ -44,7 +44,7 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
+__all__ = ["ServerOptions", "Server", "channel_options", "server_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
            "run_service", "EVENT_LOOPS",
            "metadata_interceptors",
            "wrap_handler", "Observed", "unexpected_error",
@@ -100,6 +100,16 @@ def channel_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]
         # servers: pings without data are fine down to a third of the keepalive interval
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 3),
     ]
+
+
+def server_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]:
+    """A server's options: a channel's, and compressed messages refused.
+
+    gRPC inflates a compressed message whole (up to the receive limit) and parses it before any handler runs, so
+    before the API key or the peer's certificate is looked at: ~260 KB of gzip on the wire made a server allocate
+    ~500 MiB for a caller with no credentials. No mesh channel compresses, and tensors do not compress; with only
+    ``identity`` enabled, gRPC answers a compressed message UNIMPLEMENTED without inflating it."""
+    return [*channel_options(max_message_bytes), ("grpc.compression_enabled_algorithms_bitset", 1)]
 
 
 def metadata_interceptors(extra: Callable[[], list[tuple[str, str]]],
@@ -498,7 +508,7 @@ class Server:
         self._access: dict[str, Access] = {}
         self._require_client_cert = tls.current().tls is not None and not options.public
         # No server interceptor: every method is wrapped once when its service is added (``wrap_handler``).
-        self._server = grpc.aio.server(options=channel_options(options.max_message_bytes))
+        self._server = grpc.aio.server(options=server_options(options.max_message_bytes))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._service_names: list[str] = []

@@ -275,3 +275,76 @@ async def test_an_idle_connection_pinged_as_the_mesh_pings_is_kept(monkeypatch: 
     finally:
         await ch.close()
         await srv.drain()
+
+
+_KEYED_SERVER = """
+import asyncio, sys
+from embedmesh.core import auth
+from embedmesh.core.auth import Access
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.worker.v1 import worker_pb2_grpc
+sys.path.insert(0, sys.argv[1])
+from conftest import Echo, WORKER
+
+async def main():
+    auth.configure_keys(auth.keyring_from_values(api_keys="ka-12345678=alpha"))
+    server = Server("bomb", ServerOptions(port=0, grace_seconds=0.2, public=True))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Echo(), WORKER, access=Access.PUBLIC)
+    await server.start()
+    print(server.port, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+async def test_a_compressed_message_is_refused_before_it_is_inflated_or_the_key_checked() -> None:
+    """~130 KB of gzip on the wire, inflating to 128 MiB, sent to a keyed public port with no key: refused at once
+    (UNIMPLEMENTED, the compression is named), and the server's memory does not grow by the inflated size — gRPC
+    used to inflate and parse the message before the key was looked at."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", _KEYED_SERVER, here], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        opts = [("grpc.max_send_message_length", 512 << 20)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            info_call = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+            with pytest.raises(grpc.aio.AioRpcError) as plain:
+                await info_call(b"")
+            assert plain.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the server is up and keyed
+            before = _rss_mib(proc.pid)
+            payload = b"\xfa\x3f" + _varint(128 << 20) + bytes(128 << 20)  # unknown field 1023: 128 MiB of zeros
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await info_call(payload, compression=grpc.Compression.Gzip)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "ompression" in (info.value.details() or "")
+            grown = _rss_mib(proc.pid) - before
+            assert grown < 32, f"the server grew by {grown:.0f} MiB for compressed messages it refused"
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                await info_call(b"")
+            assert again.value.code() == grpc.StatusCode.UNAUTHENTICATED  # and it keeps serving
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
