@@ -31,7 +31,7 @@ error naming it (exit status 2, no traceback), and so is every ``ValueError`` of
 
 Help comes from the field's docstring (the string literal under it) or ``option(help=...)``; ``--help`` shows it
 with the variable names and the default. :func:`options` lists every (flags, env, aliases, default, help) for
-documentation (``scripts/config_table.py`` prints the README's table from it).
+documentation (``scripts/config_table.py`` writes ``docs/configuration.md``'s tables from it).
 """
 
 from __future__ import annotations
