@@ -1,9 +1,11 @@
 """Client authentication at the REST edge.
 
-Every ``/v1/*`` route needs ``Authorization: Bearer <key>`` when API keys are configured (the same key ring the
-gRPC services load, see ``embedmesh.core.auth``): a missing or wrong key is a 401 with OpenAI's error JSON
-(``invalid_api_key``) before the body is read. ``/health`` is open; ``/metrics`` is open unless
-``--metrics-require-key`` is set.
+Every route needs ``Authorization: Bearer <key>`` when API keys are configured (the same key ring the gRPC
+services load, see ``embedmesh.core.auth``): a missing or wrong key is a 401 with OpenAI's error JSON
+(``invalid_api_key``) before the body is read. Only ``/health`` is open, and ``/metrics`` unless
+``--metrics-require-key`` is set: a route outside ``/v1/`` (``/sleep``, ``/wake_up``, ``/is_sleeping``) is checked
+here as well as by the service behind it. More than one ``Authorization`` header is a 400 whether or not keys are
+configured: which one a proxy, the gateway and a service each read would otherwise be a matter of chance.
 
 The gateway holds no privilege of its own over client data: it forwards the client's ``Authorization`` header as
 gRPC metadata on every call it makes for the request (``forwarding_channel``), and the preprocessor and vector
@@ -26,15 +28,25 @@ __all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
 _authorization: contextvars.ContextVar[str] = contextvars.ContextVar("embedmesh_authorization", default="")
 
 
+OPEN_PATHS = frozenset({"/health"})
+"""Routes that never need a key (the kubelet's probes call them)."""
+
+
 def needs_key(path: str, metrics_require_key: bool) -> bool:
-    """Whether ``path`` is behind the API key (when keys are configured)."""
-    return path.startswith("/v1/") or path == "/v1" or (metrics_require_key and path == "/metrics")
+    """Whether ``path`` is behind the API key (when keys are configured): every route but the open ones."""
+    if path == "/metrics":
+        return metrics_require_key
+    return path not in OPEN_PATHS
 
 
 def authenticate_request(request: Request, metrics_require_key: bool = False) -> auth.Principal | None:
     """Check the request's key (401 ``invalid_api_key`` when missing or wrong) and remember the header so the
     gRPC calls made for this request forward it. None when no key is needed."""
-    header = request.headers.get("authorization", "")
+    sent = request.headers.getlist("authorization")
+    if len(sent) > 1:
+        raise ApiError(400, f"{len(sent)} Authorization headers: send exactly one ('Authorization: Bearer <key>')",
+                       code="duplicate_header", param="Authorization")
+    header = sent[0] if sent else ""
     # Set for this request's task only (each ASGI request runs in its own context); never reset, so a streaming
     # body that starts its gRPC call after the handler returned still forwards it.
     _authorization.set(header)

@@ -58,6 +58,43 @@ async def test_every_v1_route_needs_a_valid_key(keys: None) -> None:
         assert (await c.get("/metrics")).status_code == 200
 
 
+async def test_every_route_outside_v1_needs_the_key_too_but_health(keys: None) -> None:
+    """The admin routes outside /v1/ (/sleep, /wake_up, /is_sleeping) were left to the service behind them."""
+    app = _app()
+    outside = [(m, r.path) for r in app.routes if isinstance(r, Route) and not r.path.startswith("/v1")
+               for m in sorted(r.methods or ["GET"]) if m != "HEAD" and r.path not in ("/health", "/metrics")]
+    assert {p for _, p in outside} >= {"/sleep", "/wake_up", "/is_sleeping"}, outside
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+        for method, path in outside:
+            r = await c.request(method, path, content=b"{}")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)
+            r = await c.request(method, path, content=b"{}", headers={"Authorization": "Bearer good-key-123"})
+            assert r.status_code != 401, (method, path, r.text)  # past the key, to the (unreachable) backend
+        assert (await c.get("/health")).status_code != 401
+
+
+@pytest.mark.parametrize("with_keys", [True, False])
+async def test_more_than_one_authorization_header_is_a_400_naming_it(with_keys: bool) -> None:
+    if with_keys:
+        auth.configure_keys(auth.keyring_from_values(api_keys="good-key-123=alpha"))
+    try:
+        transport = httpx.ASGITransport(app=_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            for first, second in (("Bearer good-key-123", "Bearer wrong-key-000"),
+                                  ("Bearer wrong-key-000", "Bearer good-key-123"),
+                                  ("Bearer good-key-123", "Bearer good-key-123")):
+                headers = [("Authorization", first), ("Authorization", second)]
+                for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/sleep")):
+                    r = await c.request(method, path, headers=headers, content=b"{not json")
+                    assert r.status_code == 400, (method, path, r.text)
+                    err = r.json()["error"]
+                    assert err["param"] == "Authorization" and err["code"] == "duplicate_header"
+                    assert "good-key-123" not in r.text
+    finally:
+        auth.configure_keys(auth.KeyRing())
+
+
 async def test_metrics_can_require_the_key(keys: None) -> None:
     transport = httpx.ASGITransport(app=_app(metrics_require_key=True))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
