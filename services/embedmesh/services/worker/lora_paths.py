@@ -13,7 +13,7 @@ from pathlib import Path
 
 from embedmesh.core.errors import InvalidArgument
 
-__all__ = ["default_lora_root", "resolve_adapter_path"]
+__all__ = ["default_lora_root", "relative_to_root", "resolve_adapter_path"]
 
 
 def default_lora_root() -> Path:
@@ -35,9 +35,16 @@ def resolve_adapter_path(path: str, root: Path, field: str = "path") -> Path:
     resolved = candidate.resolve()
     if not resolved.is_relative_to(base):
         raise InvalidArgument(f"{field}: adapters load only from folders under the worker's LoRA root "
-                              f"(--lora-root {base}); {path!r} is outside it", field=field,
+                              f"(--lora-root; give a path relative to it); {path!r} is outside it", field=field,
                               reason="PATH_OUTSIDE_ROOT")
     if not resolved.is_dir():
         raise InvalidArgument(f"{field}: {path!r} is not a folder under the LoRA root", field=field,
                               reason="NOT_A_FOLDER")
     return resolved
+
+
+def relative_to_root(text: str, root: Path) -> str:
+    """``text`` with every mention of the root's absolute path made relative to it: what an admin call answers
+    names folders as the caller names them, never where the worker's files lie on its host."""
+    base = str(root.resolve())
+    return text.replace(base + os.sep, "").replace(base, ".")

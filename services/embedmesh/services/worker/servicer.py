@@ -9,13 +9,13 @@ from typing import Any
 import grpc
 
 from embedmesh.core import pieces, tensors
-from embedmesh.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from embedmesh.core.errors import EmbedmeshError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import MiB
 from embedmesh.services.worker.chunks import arrive
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
-from embedmesh.services.worker.lora_paths import default_lora_root, resolve_adapter_path
+from embedmesh.services.worker.lora_paths import default_lora_root, relative_to_root, resolve_adapter_path
 from embedmesh.services.worker.many import ManyStreams
 from embedmesh.services.worker.messages import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -115,7 +115,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             field = "name" if not request.name else "path"
             raise InvalidArgument(f"{field} is required", field=field, reason="REQUIRED")
         path = resolve_adapter_path(request.path, self.lora_root)
-        loaded = await self._admin("LoRA", self.engine.load_lora(request.name, str(path)))
+        try:
+            loaded = await self._admin("LoRA", self.engine.load_lora(request.name, str(path)))
+        except EmbedmeshError as e:  # engines name the folder they opened: answer with the caller's path
+            e.message = relative_to_root(e.message, self.lora_root)
+            e.args = (e.message,)
+            raise
         return worker_pb2.LoadLoraAdapterResponse(loaded=loaded)
 
     async def UnloadLoraAdapter(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
@@ -125,7 +130,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def ListLoraAdapters(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         adapters = await self._admin("LoRA", self.engine.list_loras())
         return worker_pb2.ListLoraAdaptersResponse(
-            adapters=[worker_pb2.LoraAdapter(name=n, path=p) for n, p in sorted(adapters.items())])
+            adapters=[worker_pb2.LoraAdapter(name=n, path=relative_to_root(p, self.lora_root))
+                      for n, p in sorted(adapters.items())])
 
     async def Sleep(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         if request.level not in (1, 2):

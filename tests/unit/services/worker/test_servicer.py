@@ -180,6 +180,35 @@ def test_lora_loads_are_checked_before_the_engine(request_: Any, field: str, rea
     assert (e.value.field, e.value.reason) == (field, reason) and engine.calls == []
 
 
+class _Refusing(_Engine):
+    """Refuses every adapter naming the folder it was given, as the hf and vLLM engines do."""
+
+    async def load_lora(self, name: str, path: str) -> bool:
+        raise InvalidArgument(f"path: no adapter_config.json in {path!r}", field="path", reason="NOT_AN_ADAPTER")
+
+    async def list_loras(self) -> dict[str, str]:
+        return {"a": str(self.root / "team" / "a")}
+
+    root: Path
+
+
+def test_admin_answers_name_adapter_folders_relative_to_the_lora_root(tmp_path: Path) -> None:
+    """An admin call never learns where the worker's files lie on its host: only paths under the root, relative."""
+    (tmp_path / "team" / "a").mkdir(parents=True)
+    engine = _Refusing()
+    engine.root = tmp_path.resolve()
+    s = WorkerServicer(engine, "w", lora_root=tmp_path)
+    with pytest.raises(InvalidArgument) as e:
+        _run(s.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(name="x", path="team/a"), None))
+    assert e.value.message == "path: no adapter_config.json in 'team/a'" and str(e.value) == e.value.message
+    assert str(tmp_path.resolve()) not in str(e.value)
+    listed = _run(s.ListLoraAdapters(worker_pb2.ListLoraAdaptersRequest(), None)).adapters
+    assert [(a.name, a.path) for a in listed] == [("a", "team/a")]
+    with pytest.raises(InvalidArgument) as outside:
+        _run(s.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(name="x", path="/etc"), None))
+    assert outside.value.reason == "PATH_OUTSIDE_ROOT" and str(tmp_path.resolve()) not in outside.value.message
+
+
 @pytest.mark.parametrize("level", [0, 3])
 def test_sleep_levels_are_one_or_two(level: int) -> None:
     engine = _Engine()
