@@ -71,6 +71,16 @@ test-unit: venv model
 test-e2e: venv model sysdeps
 	$(PY) -m pytest tests/e2e
 
+# The mesh across hosts (tests/hosts): network namespaces as hosts, faults under load, figures written to
+# docs/multihost.md. Root only (ip netns); `make test` runs it too, and as root a missing piece fails it instead of
+# skipping. `make test-hosts-clean` removes whatever an interrupted run left (namespaces, route, processes).
+.PHONY: test-hosts test-hosts-clean
+test: export EMBEDMESH_REQUIRE_HOSTS ?= $(if $(filter 0,$(shell id -u)),1,)
+test-hosts: venv model sysdeps
+	EMBEDMESH_REQUIRE_HOSTS=1 EMBEDMESH_HOSTS_DOC=docs/multihost.md $(PY) -m pytest -q tests/hosts
+test-hosts-clean:
+	bash scripts/netns.sh clean
+
 # The fuzz tests of `make test` (tensor codec, gateway request parsing) with many more examples; zero 5xx.
 FUZZ_EXAMPLES ?= 10000
 fuzz: venv model
