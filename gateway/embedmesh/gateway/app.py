@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.core import auth
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import tracer
 from embedmesh.gateway import completions, embeddings, lora, uploads
@@ -146,13 +147,55 @@ Handler = Callable[[Request], Awaitable[Response]]
 class _Admission:
     """Requests in flight at this gateway, all routes together (a stream counts until its last byte). Past the
     limit a request is refused at once with 503 + Retry-After, before its body is read or any gRPC call is made:
-    under overload the queue must not build up here, ahead of the preprocessor's own bound."""
+    under overload the queue must not build up here, ahead of the preprocessor's own bound.
 
-    def __init__(self, limit: int) -> None:
+    With API keys, each tenant is counted too, and checked first: a tenant holding its share of the slots
+    (``tenant_share`` of the limit, or its key's ``max_concurrent_requests`` when lower) gets 429 at once and takes
+    no slot, so one tenant — slow bodies, a flood — can occupy at most its share and never the whole gateway.
+    """
+
+    def __init__(self, limit: int, tenant_share: float = 1.0) -> None:
         self.limit = limit
         self.count = 0
+        self.share = max(1, int(limit * tenant_share)) if limit else 0
+        self.tenants: dict[str, int] = {}
 
-    def release(self) -> None:
+    def _cap(self, key: auth.ApiKey) -> int:
+        """How many requests one tenant may have in flight here; 0 = no bound of its own."""
+        caps = [c for c in (self.share, key.max_concurrent_requests) if c]
+        return min(caps) if caps else 0
+
+    def enter(self, principal: auth.Principal | None) -> Callable[[], None]:
+        """Take a slot for the request of ``principal`` (None: no key needed) or raise the refusal; returns the
+        release."""
+        tenant = principal.tenant if principal is not None and principal.key is not None else None
+        if tenant is not None:
+            held = self.tenants.get(tenant, 0)
+            cap = self._cap(principal.key)  # type: ignore[union-attr]
+            if cap and held >= cap:
+                raise ApiError(429, f"tenant {tenant!r} has {held} requests in flight at this gateway, its share; "
+                                    "retry when one finishes", code="rate_limit_exceeded", type_="rate_limit_error",
+                               retry_after=1.0)
+        if self.limit and self.count >= self.limit:
+            raise ApiError(503, f"the gateway has {self.count} requests in flight, its limit; retry shortly",
+                           code="overloaded", type_="service_unavailable", retry_after=1.0)
+        self.count += 1
+        if tenant is None:
+            return self._release
+
+        self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
+
+        def release() -> None:
+            self.count -= 1
+            left = self.tenants[tenant] - 1
+            if left:
+                self.tenants[tenant] = left
+            else:
+                del self.tenants[tenant]  # bounded by the tenants with requests in flight, not by every key seen
+
+        return release
+
+    def _release(self) -> None:
         self.count -= 1
 
 
@@ -163,7 +206,6 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
 
     async def run(request: Request) -> Response:
         try:
-            authenticate_request(request, metrics_require_key)
             return await handler(request)
         except ApiError as e:
             return error_response(e)
@@ -173,14 +215,15 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
 
     async def wrapped(request: Request) -> Response:
         t0 = time.perf_counter()
-        if admission is not None and admission.limit and admission.count >= admission.limit:
-            refused = error_response(ApiError(
-                503, f"the gateway has {admission.count} requests in flight, its limit; retry shortly",
-                code="overloaded", type_="service_unavailable", retry_after=1.0))
-            REQUESTS.labels(route, "503").inc()
-            return refused
-        if admission is not None:
-            admission.count += 1
+        release: Callable[[], None] | None = None
+        try:
+            # The key first (headers only), then admission by tenant and for the gateway: all before the body.
+            principal = authenticate_request(request, metrics_require_key)
+            if admission is not None:
+                release = admission.enter(principal)
+        except ApiError as e:
+            REQUESTS.labels(route, str(e.status)).inc()
+            return error_response(e)
         INFLIGHT.inc()
         response: Response | None = None
         try:
@@ -198,12 +241,12 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
         finally:
             if isinstance(response, EventStream):
                 response.on_close.append(INFLIGHT.dec)  # a stream is in flight until its last byte
-                if admission is not None:
-                    response.on_close.append(admission.release)
+                if release is not None:
+                    response.on_close.append(release)
             else:
                 INFLIGHT.dec()
-                if admission is not None:
-                    admission.release()
+                if release is not None:
+                    release()
         REQUESTS.labels(route, str(response.status_code)).inc()
         LATENCY.labels(route).observe(time.perf_counter() - t0)
         return response
@@ -237,7 +280,7 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     """The gateway app. ``extra_routes`` plugs in more API areas: routes, or functions ``(gateway) -> routes``
     (the shape of every route module's ``routes``, e.g. ``files.routes`` and ``vector_stores.routes``)."""
     gw = Gateway(config)
-    admission = _Admission(config.max_inflight)
+    admission = _Admission(config.max_inflight, config.tenant_share)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

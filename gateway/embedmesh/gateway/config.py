@@ -42,6 +42,9 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     max_inflight: int = 512
     """Requests in flight at once (streams until their last byte); more get 503 + Retry-After at once. 0 = no
     limit."""
+    tenant_share: float = 0.5
+    """With API keys: the fraction of ``max_inflight`` one tenant may hold (its key's concurrency limit, when
+    lower, wins); past it that tenant gets 429 at once, before its body is read, and the rest stay for others."""
     pieces_min_bytes: int = 8 << 20
     """Requests whose torch.save ``prompt_embeds`` payloads hold at least this many bytes of values go to the
     preprocessor as a CompleteChunks / ChatChunks stream of 1 MiB pieces (``pieces_body.py``); 0 = always one
@@ -58,6 +61,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
             raise ValueError(f"pieces_min_bytes must be >= 0, got {self.pieces_min_bytes}")
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
+        if not 0 < self.tenant_share <= 1:
+            raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if not self.request_timeout_seconds > 0:
             raise ValueError(f"request_timeout_seconds must be > 0, got {self.request_timeout_seconds}")
 

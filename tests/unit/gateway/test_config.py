@@ -23,7 +23,7 @@ def test_env_then_flags() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--port", "70000"], ["--max-body-bytes", "10"], ["--request-timeout", "0"],
-                                  ["--port", "abc"]])
+                                  ["--port", "abc"], ["--tenant-share", "0"], ["--tenant-share", "1.5"]])
 def test_bad_values_exit_with_a_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         GatewayConfig.from_args(argv, env={})
