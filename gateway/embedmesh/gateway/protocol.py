@@ -8,6 +8,12 @@ header, bad framing) before any route runs; uvicorn words that as a plain-text 4
 body like every other refusal (``errors.ApiError``), and the header section has a size limit (llhttp has none):
 past ``MAX_HEADER_BYTES`` the request is answered 431 instead of buffering headers without bound. After either
 answer the connection closes gently (``_refuse``).
+
+Slow clients hold a connection, and behind it an admission slot, for as long as they are let: the headers of a
+request must arrive within ``HEADER_SECONDS`` of its first byte (or of the connection, for its first request), and a
+body at ``BODY_MIN_BYTES_PER_SECOND`` on average after a ``BODY_SECONDS`` allowance; past either the request is
+answered 408 ``request_timeout`` and the connection closed (uvicorn has neither bound: 200 connections sending a
+header line every 5 s were all still open after 30 s, and a body trickling a byte every 3 s held its slot forever).
 """
 
 from __future__ import annotations
@@ -20,10 +26,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from embedmesh.gateway.errors import ApiError
 
-__all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES"]
+__all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES", "HEADER_SECONDS",
+           "BODY_SECONDS", "BODY_MIN_BYTES_PER_SECOND"]
 
 MAX_HEADER_BYTES = 64 * 1024
 """The request line and headers of one request, at most (bytes as received)."""
+HEADER_SECONDS = 10.0
+"""A request's line and headers arrive within this long of its first byte (a new connection's first request: of
+the connection)."""
+BODY_SECONDS = 30.0
+BODY_MIN_BYTES_PER_SECOND = 16 * 1024
+"""A body may take ``BODY_SECONDS`` plus one second per this many bytes received (128 kbit/s on average)."""
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 1 << 20
 """After a refusal, the connection is closed once this long has passed or this much more has arrived."""
@@ -49,13 +62,58 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _in_headers = True
     _too_large = False
     _ended = False  # a request ended within the data being parsed
-    _refused = False  # answered 400/431: what still arrives is dropped
+    _refused = False  # answered 400/431/408: what still arrives is dropped
     _dropped = 0
+    _deadline: asyncio.TimerHandle | None = None  # the header or body bound of the request being received
+    _body_started = 0.0
+    _body_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._watch(HEADER_SECONDS, self._headers_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._watch(None)
+        super().connection_lost(exc)
+
+    def _watch(self, seconds: float | None, then: object = None) -> None:
+        """(Re)arm the one deadline timer (``None``: disarm)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if seconds is not None:
+            self._deadline = self.loop.call_later(seconds, then)  # type: ignore[arg-type]
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self._in_headers and not self._refused and not self.transport.is_closing():
+            self._refuse(ApiError(408, f"the request line and headers did not arrive within {HEADER_SECONDS:g} s; "
+                                  "send them at once", code="request_timeout"))
+
+    def _body_late(self) -> None:
+        self._deadline = None
+        allowed = BODY_SECONDS + self._body_bytes / BODY_MIN_BYTES_PER_SECOND
+        left = self._body_started + allowed - self.loop.time()
+        if left > 0:  # more arrived since the timer was set: the deadline moved
+            self._watch(left, self._body_late)
+            return
+        if self._refused or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:  # nothing more can be said on this connection
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.close()
+            return
+        self._refuse(ApiError(408, f"the request body arrived slower than {BODY_MIN_BYTES_PER_SECOND // 1024} KiB/s "
+                              f"after {BODY_SECONDS:g} s; send it at once", code="request_timeout"))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._received = self._parsed = 0
         self._in_headers = True
+        if self._deadline is None:  # a later request on a kept-alive connection: from its first byte
+            self._watch(HEADER_SECONDS, self._headers_late)
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -67,10 +125,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
+        self._body_started, self._body_bytes = self.loop.time(), 0
+        self._watch(BODY_SECONDS, self._body_late)
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._ended = True
+        self._watch(None)
         super().on_message_complete()
 
     def _count(self, n: int) -> None:

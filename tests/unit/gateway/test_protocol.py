@@ -175,3 +175,68 @@ def test_a_pipelined_request_after_a_big_body_is_not_taken_for_long_headers() ->
     written = asyncio.run(run())
     assert written.count(b"HTTP/1.1 200 OK") == 2, written[:400]
     assert b"headers_too_large" not in written
+
+
+def _read_answer_then_close(s: socket.socket) -> tuple[int, dict[str, Any]]:
+    """Read one answer and then the end of the connection (a bounded number of reads, each with the socket's
+    timeout)."""
+    buf = b""
+    for _ in range(1000):
+        more = s.recv(65536)
+        if not more:
+            break
+        buf += more
+    else:
+        raise AssertionError("the connection stayed open")
+    head, _, body = buf.partition(b"\r\n\r\n")
+    assert head, "closed without an answer"
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def _trickle(s: socket.socket, parts: list[bytes], pause: float) -> None:
+    import time
+
+    for part in parts:
+        try:
+            s.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):
+            return  # refused and closed while still sending: the answer is read next
+        time.sleep(pause)
+
+
+def test_headers_that_trickle_in_are_a_408_and_the_connection_closes(gw: Harness, monkeypatch: Any) -> None:
+    """Slowloris: one header line at a time, slower than the header deadline allows."""
+    from embedmesh.gateway import protocol
+
+    monkeypatch.setattr(protocol, "HEADER_SECONDS", 0.6)
+    url = urlparse(gw.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        _trickle(s, [b"GET /v1/models HTTP/1.1\r\n"] + [b"x-slow: 1\r\n"] * 8, 0.25)
+        status, err = _read_answer_then_close(s)
+    assert status == 408 and err["code"] == "request_timeout" and "headers" in err["message"]
+    with socket.create_connection((url.hostname, url.port), timeout=10) as idle:  # a connection that says nothing
+        status, err = _read_answer_then_close(idle)
+    assert status == 408
+
+
+def test_a_body_that_trickles_in_is_a_408_and_one_at_the_allowed_pace_is_served(gw: Harness,
+                                                                                monkeypatch: Any) -> None:
+    from embedmesh.gateway import protocol
+
+    monkeypatch.setattr(protocol, "BODY_SECONDS", 0.5)
+    monkeypatch.setattr(protocol, "BODY_MIN_BYTES_PER_SECOND", 4096)
+    url = urlparse(gw.url)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(head % 64)
+        _trickle(s, [b"{"] + [b" "] * 12, 0.25)  # a byte every 0.25 s: past 0.5 s + 13/4096 s
+        status, err = _read_answer_then_close(s)
+    assert status == 408 and err["code"] == "request_timeout" and "body" in err["message"]
+    # 8 KiB in 4 pieces over ~0.9 s: allowed 0.5 s + 2 s; the route gets the body and answers it (no model: 400)
+    body = b'{"prompt": "' + b"a" * (8192 - 14) + b'"}'
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(head % len(body))
+        _trickle(s, [body[i:i + 2048] for i in range(0, len(body), 2048)], 0.3)
+        s.shutdown(socket.SHUT_WR)
+        status, err = _read_answer_then_close(s)
+    assert status == 400 and err["param"] == "model", err
