@@ -7,7 +7,11 @@ and on Ctrl-C (or SIGTERM) drain and stop them all.
 
 Children live in their own sessions (Ctrl-C reaches only the launcher, which stops them in order: SIGTERM, each
 drains for up to ``--drain-seconds``, then SIGKILL) and die with the launcher whatever kills it, SIGKILL included
-(Linux ``PR_SET_PDEATHSIG``), so no child outlives it holding a port.
+(Linux ``PR_SET_PDEATHSIG``), so no child outlives it holding a port. A second Ctrl-C stops waiting for the drain.
+
+SIGINT and SIGTERM stop the mesh however the launcher was started: a background job of a non-interactive shell
+(``make run &``, a supervisor, a CI runner) starts with SIGINT ignored, which the launcher overrides with its own
+handler; its children start with both signals at their defaults and install their own drain handlers.
 
 Security: ``--tls`` (EMBEDMESH_TLS=1) makes a throwaway CA and one certificate per service in ``--tls-dir``
 ($EMBEDMESH_CACHE/tls) and runs every service with mutual TLS; ``--gateway-tls`` also serves the REST API over
@@ -53,6 +57,10 @@ class MeshProcess:
 _PR_SET_PDEATHSIG = 1
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""What stops the mesh (Ctrl-C, an orchestrator's stop), and what each child drains on."""
+
+
 def _die_with_parent() -> Callable[[], None] | None:
     """A ``preexec_fn`` asking the kernel to SIGKILL the child when the launcher dies (Linux; None elsewhere).
     libc is resolved here, in the parent: the child only makes the system call."""
@@ -72,12 +80,28 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def _child_preexec() -> Callable[[], None]:
+    """The ``preexec_fn`` of every child: the stop signals back at their defaults, then ``_die_with_parent``.
+
+    exec keeps an *ignored* signal ignored (only handled ones go back to default), so a launcher started with SIGINT
+    ignored would hand that on; a child then starts as it would from a terminal, whatever started the launcher."""
+    die = _die_with_parent()
+
+    def preexec() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        if die is not None:
+            die()
+
+    return preexec
+
+
 def _spawn_process(name: str, module: str, args: list[str], env: dict[str, str],
                    python: str = sys.executable) -> subprocess.Popen[bytes]:
     # Own session per child: Ctrl-C reaches the launcher, which stops children in order; and each child dies with
     # the launcher (PR_SET_PDEATHSIG) even when the launcher is SIGKILLed.
     return subprocess.Popen([python, "-m", module, *args], env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent())  # noqa: PLW1509 - the launcher runs no threads
+                            preexec_fn=_child_preexec())  # noqa: PLW1509 - the launcher runs no threads
 
 
 def _source_path() -> str:
@@ -466,23 +490,56 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
     return plan.procs
 
 
+class _StopSignals:
+    """The launcher's own SIGINT and SIGTERM handler, installed whatever the launcher inherited: started as a
+    background job of a non-interactive shell it inherits SIGINT *ignored* (and Python then installs no
+    KeyboardInterrupt handler), so without this Ctrl-C from a test harness or supervisor would never stop it.
+
+    A signal before ``arm`` (while the children are being started) is remembered and acted on at ``arm``, so the
+    children started so far are stopped in order rather than left to ``PR_SET_PDEATHSIG``; once armed, a signal
+    raises KeyboardInterrupt in the main loop."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._armed = False
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        first = self.received is None
+        self.received = signum
+        if self._armed or not first:  # a second signal during start-up stops waiting too
+            raise KeyboardInterrupt
+
+    def arm(self) -> None:
+        """From here on a signal interrupts; raises at once if one came while disarmed."""
+        self._armed = True
+        if self.received is not None:
+            raise KeyboardInterrupt
+
+
+def _force_stop(procs: list[MeshProcess]) -> None:
+    """A second Ctrl-C while draining: SIGKILL whatever still runs."""
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.kill()
+    for p in procs:
+        p.proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
+    signals = _StopSignals()
     a = parse_args(argv)
     env = {**os.environ}
     tls_env, security_lines = security_env(a, env)
     for line in security_lines:
         print(f"[launcher] {line}", flush=True)
-    procs = start_mesh(a, tls_env, env)
+    procs: list[MeshProcess] = []
     grace = a.drain_seconds + 10
-    stopping = False
-
-    def _stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
     try:
+        if signals.received is None:  # nothing to start when the stop came while certificates were made
+            procs.extend(start_mesh(a, tls_env, env))
+        signals.arm()
         print("[launcher] starting embedmesh:", flush=True)
         for p in procs:
             print(f"[launcher]   {p.name:<13} {p.address}  (pid {p.proc.pid})", flush=True)
@@ -517,7 +574,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\n[launcher] stopping (draining in-flight requests)...", flush=True)
-        stop_all(procs, grace)
+        try:
+            stop_all(procs, grace)
+        except KeyboardInterrupt:
+            print("[launcher] second signal: killing what is left", flush=True)
+            _force_stop(procs)
+            return 1
         print("[launcher] stopped", flush=True)
         return 0
 

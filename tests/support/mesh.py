@@ -14,7 +14,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["free_port", "port_bindable", "Mesh", "start_mesh"]
+__all__ = ["free_port", "port_bindable", "ignore_sigint", "Mesh", "start_mesh"]
+
+
+def ignore_sigint() -> None:
+    """A ``preexec_fn``: the child starts with SIGINT ignored, as a background job of a non-interactive shell does
+    (``make test &``, a supervisor, a CI runner)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def free_port() -> int:
@@ -112,12 +118,13 @@ def _listen_ports(count: int, workers: int) -> tuple[list[int], list[int]]:
 def start_mesh(
     *, workers: int = 1, engine: str = "hf", timeout: float = 300, log_dir: str = "/tmp",
     env: dict[str, str] | None = None, extra_args: list[str] | None = None, tls: bool = False,
-    gateway_tls: bool = False,
+    gateway_tls: bool = False, sigint_ignored: bool = False,
 ) -> Mesh:
     """Start the launcher and wait until the gateway's /health says every service serves. ``tls=True`` runs the
     mesh with mutual TLS (the launcher's ``--tls``); the CA and certificates are in ``mesh.extra["tls_dir"]``
     (``client.pem`` / ``client-key.pem`` hold a mesh client certificate). ``gateway_tls=True`` (with ``tls``)
-    serves the REST API over HTTPS too."""
+    serves the REST API over HTTPS too. ``sigint_ignored=True`` starts the launcher with SIGINT ignored, as a
+    background job's is."""
     from embedmesh.launcher import MESH, PORT_FLAGS
 
     # Every service deploy/mesh.yaml lists gets a free port through its launcher flag (the workers a run of them).
@@ -140,7 +147,8 @@ def start_mesh(
            *(extra_args or []),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})},
+                            preexec_fn=ignore_sigint if sigint_ignored else None)  # noqa: PLW1509
     mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base, "router": f"127.0.0.1:{router}",
                                                    "embed_worker": f"127.0.0.1:{embed}",
                                                    "vector_store": f"127.0.0.1:{vs}", "tls_dir": tls_dir},

@@ -81,6 +81,63 @@ def test_ctrl_c_stops_every_child_and_exits_0() -> None:
     assert "[launcher] stopped" in mesh.log_tail()
 
 
+def _ignores_sigint(pid: int) -> bool:
+    """Whether process ``pid`` has SIGINT ignored (its ``SigIgn`` mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _stopped_services(log: str) -> set[str]:
+    """The services whose JSON log says they drained and stopped."""
+    found = set()
+    for line in log.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("msg") == "stopped":
+                found.add(rec.get("service"))
+    return found
+
+
+def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored() -> None:
+    """A background job of a non-interactive shell (``make run &``, a supervisor, a CI runner) starts with SIGINT
+    ignored: the launcher still stops on Ctrl-C, its children do not inherit the ignored SIGINT, each drains and
+    exits, and the launcher exits 0 (not SIGKILLed by the harness after its timeout)."""
+    mesh = start_mesh(engine="echo", workers=1, sigint_ignored=True)
+    try:
+        pids = _child_pids(mesh)
+        assert set(pids) == {"router", "worker-0", "preprocessor", "gateway"}
+        assert not _ignores_sigint(mesh.proc.pid)
+        assert [name for name, pid in pids.items() if _ignores_sigint(pid)] == []
+    finally:
+        code = mesh.stop()
+    assert code == 0, mesh.log_tail()
+    assert _wait_gone(list(pids.values())) == []
+    log = mesh.log_tail(1_000_000)
+    assert "[launcher] stopped" in log
+    assert _stopped_services(log) == {"router", "worker", "preprocessor", "gateway"}
+
+
+def test_the_launcher_handles_both_stop_signals_whatever_it_inherited() -> None:
+    """SIGINT inherited ignored and SIGTERM at its default both become the launcher's handler; a signal that comes
+    while the children are being started waits until they all are, then stops them (``arm``)."""
+    before = {sig: signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
+              for sig in launcher.STOP_SIGNALS}
+    try:
+        signals = launcher._StopSignals()
+        assert all(signal.getsignal(sig) == signals._on_signal for sig in launcher.STOP_SIGNALS)
+        os.kill(os.getpid(), signal.SIGTERM)  # while starting: remembered, nothing raised
+        assert signals.received == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            signals.arm()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode boundary
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def _args(*argv: str) -> argparse.Namespace:
     return launcher.parse_args(list(argv))
 
