@@ -19,8 +19,10 @@ is; one whose dtype is unknown expects no bytes here and is refused by name by t
 Refused with INVALID_ARGUMENT naming the field: a first message that is not a request (``request``, REQUIRED), a
 second request (``request``, DUPLICATE), tensors declaring more bytes in all than ``max_bytes`` (``<path>.shape``,
 TOO_LARGE), a shape out of range (``<path>.shape``, INVALID_SHAPE / BAD_RANK), more bytes than the shapes need
-(``rows``, TOO_MANY_BYTES), the stream ending before they all arrived (``rows``, INCOMPLETE). Nothing is allocated
-past the limit, and rows are allocated but not touched until their bytes arrive.
+(``rows``, TOO_MANY_BYTES), the stream ending before they all arrived (``rows``, INCOMPLETE), a stream that sends
+nothing for ``IDLE_SECONDS`` before its request or before its end (``request`` / ``rows``, IDLE_TIMEOUT: it would
+hold its caller's admission slot and the allocated rows until the client's own deadline). Nothing is
+allocated past the limit, and rows are allocated but not touched until their bytes arrive.
 
 ``start`` returns as soon as the request arrived (an ``Arrival``: the bytes go on arriving in the background, and
 consumers ``wait`` for a prefix of a tensor); with a ``scan`` the bytes count as arrived only once checked, so
@@ -160,7 +162,12 @@ class Arrival:
         buffers = self.buffers
         slot = 0
         filled = 0
-        async for message in messages:
+        it = messages.__aiter__()
+        while True:
+            try:
+                message = await _next(it, "rows")  # silence is bounded until the stream ends, bytes owed or not
+            except StopAsyncIteration:
+                break
             part = "rows" if isinstance(message, wire.RowsPiece) else message.WhichOneof("part")
             if part == "request":
                 raise InvalidArgument("request: the stream carries one request", field="request",
@@ -203,7 +210,7 @@ async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: in
     may return the check each tensor's bytes pass as they arrive (``Arrival.scanned`` says whether it did)."""
     it = messages.__aiter__()
     try:
-        first = await it.__anext__()
+        first = await _next(it, "request")
     except StopAsyncIteration:
         raise InvalidArgument("request: the stream ended before its request", field="request",
                               reason="REQUIRED") from None
@@ -226,6 +233,22 @@ async def assemble(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes:
     arrival = await start(messages, tensors_of, max_bytes)
     await arrival.finished()
     return arrival.request, arrival.views
+
+
+IDLE_SECONDS = 30.0
+"""How long a pieces stream may send nothing while its request or bytes are still owed."""
+
+
+async def _next(it: AsyncIterator[Any], field: str) -> Any:
+    """The stream's next message, or IDLE_TIMEOUT naming ``field`` after ``IDLE_SECONDS`` of silence."""
+    try:
+        async with asyncio.timeout(IDLE_SECONDS):
+            return await it.__anext__()
+    except TimeoutError:
+        raise InvalidArgument(f"{field}: nothing arrived for {IDLE_SECONDS:g} s "
+                              f"{'before the request' if field == 'request' else 'and the stream did not end'}; "
+                              "send the whole stream without pauses, then close it", field=field,
+                              reason="IDLE_TIMEOUT") from None
 
 
 _ARRIVING: ContextVar[dict[int, tuple[Arrival, int]] | None] = ContextVar("embedmesh_arriving", default=None)

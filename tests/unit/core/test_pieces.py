@@ -104,3 +104,35 @@ def test_an_unknown_dtype_waits_for_no_bytes_and_is_left_to_the_ordinary_checks(
     request = _request((999, [2, 3], b""), (FP32, [1, 3], b""))
     _, views = _assemble([_first(request), _rows(b"\0" * 12)])
     assert set(views) == {"t1"}
+
+
+async def _stalled(items: list[Any], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """``items``, then silence (a client that stops sending without ending its stream)."""
+    for item in items:
+        yield item
+    await stop.wait()
+
+
+@pytest.mark.parametrize("sent, field", [
+    (lambda r: [], "request"),                             # connected, never sends the request
+    (lambda r: [_first(r)], "rows"),                       # announces a tensor, never sends its rows
+    (lambda r: [_first(r), _rows(b"\0" * 6)], "rows"),     # stops halfway
+    (lambda r: [_first(r), _rows(b"\0" * 12)], "rows"),    # every byte, but the stream never ends
+])
+def test_a_stream_that_goes_silent_is_refused_after_the_idle_bound(sent: Any, field: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pieces, "IDLE_SECONDS", 0.2)
+
+    async def run() -> InvalidArgument:
+        stop = asyncio.Event()
+        try:
+            async with asyncio.timeout(10):  # the test's own bound: a hang fails it instead of blocking the suite
+                with pytest.raises(InvalidArgument) as info:
+                    await pieces.assemble(_stalled(sent(_request((FP32, [1, 3], b""))), stop), _tensors, 1 << 20)
+            return info.value
+        finally:
+            stop.set()
+
+    err = asyncio.run(run())
+    assert (err.field, err.reason) == (field, "IDLE_TIMEOUT")
+    assert "0.2 s" in err.message
