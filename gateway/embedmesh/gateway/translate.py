@@ -3,7 +3,7 @@
 Where each check lives: the gateway checks only the *shape* of the JSON — types, the ranges a field can have in
 OpenAI's API (the sampling ranges are ``core/sampling.py``'s), parameters this server does not support, base64 —
 so it can build the protobuf message; a bad value is a 400 whose ``param`` names the field. The checks are the
-typed request models in ``requests.py`` (``parse``); this module turns a checked request into the message.
+typed request models in ``requests/`` (``parse``); this module turns a checked request into the message.
 Rules about prompts, models and tensors (a prompt is required, token ids within the vocabulary, the tensor's
 dtype/shape/hidden size/NaN, the context length) live in the preprocessor, the single source for REST and gRPC
 clients alike; the gateway maps its INVALID_ARGUMENT (with the field in the status details) to the same 400 shape.

@@ -69,7 +69,7 @@ class VectorStoreClient:
             raise from_grpc(e) from None
 
 
-# --- JSON -> protobuf: the bodies as request models (requests.py) ------------------------------------------------
+# --- JSON -> protobuf: the bodies as request models (requests/) -------------------------------------------------------
 # Every body here ignores fields it does not know (as it always has). Checks leave protobuf messages in their fields.
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)

@@ -1,7 +1,7 @@
 """gateway/vector_stores.py: ``/v1/vector_stores…`` through a bare app with a scripted VectorStoreService stub — the
 request each route sends (bodies, path ids, paging and status filters), the OpenAI objects it answers, a bad
 body's 400 before any call, the service's refusals mapped, and 501 without a vector store. (The body models'
-refusals are listed in test_requests.py.)"""
+refusals are listed in requests/test_model.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The typed request models (gateway/requests.py and the vector-store models): each route's body refuses a wrong
+"""The typed request models (gateway/requests/ and the vector-store models): each route's body refuses a wrong
 type, a missing required field and an out-of-range value with the exact 400 (message, param, code) and accepts
 what it must; the first refusal does not depend on the JSON key order; the models' fast path (msgspec) and their
 field-by-field walk refuse the same bodies; temperature above core's maximum reads as core's own refusal."""
@@ -28,9 +28,9 @@ from embedmesh.gateway.requests import (
     LoadLoraRequest,
     PromptEmbedsUpload,
     UnloadLoraRequest,
-    _walk,
     parse,
 )
+from embedmesh.gateway.requests.model import _walk
 from embedmesh.gateway.translate import chat_params, completion_params
 from tests.support.fuzz import fuzz_settings
 
