@@ -92,8 +92,6 @@ LONG_MODULES: dict[str, str] = {
 }
 COMPLEX_FUNCTIONS: dict[str, str] = {
     # "path:qualified name" -> why it stays above MAX_COMPLEXITY
-    "services/embedmesh/services/preprocessor/pipeline.py:_one": "a pick -> call -> classify loop next",
-    "services/embedmesh/services/preprocessor/pipeline.py:run_job": "with _one",
     "services/embedmesh/services/preprocessor/admin.py:MeshAdmin.load_adapter": "simplified next",
     "services/embedmesh/core/sampling.py:sampling_from_proto": "next",
     "gateway/embedmesh/gateway/completions.py:_events": "next",

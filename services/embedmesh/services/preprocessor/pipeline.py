@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -150,20 +151,25 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
                 if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     remaining -= 1
                     completion += tokens
-        prompt_tokens = sum(len(p) for p in job.prompts)
-        for p in job.prompts:
-            for piece in p.pieces:
-                kind = "text" if isinstance(piece, tuple) else "embeds"
-                PROMPT_TOKENS.labels(job.model, kind).inc(len(piece))
-        GENERATED_TOKENS.labels(job.model).inc(completion)
-        if first is not None and completion > len(tasks):
-            REQUEST_TOKENS_PER_SECOND.labels(job.model).observe(
-                (completion - len(tasks)) / max(time.perf_counter() - first, 1e-6))
-        yield Usage(prompt_tokens, completion)
+        yield _usage(job, completion, len(tasks), first)
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(job: Job, completion: int, sequences: int, first: float | None) -> Usage:
+    """The job's usage, counted into the token metrics (``first``: when the first token came)."""
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    for p in job.prompts:
+        for piece in p.pieces:
+            kind = "text" if isinstance(piece, tuple) else "embeds"
+            PROMPT_TOKENS.labels(job.model, kind).inc(len(piece))
+    GENERATED_TOKENS.labels(job.model).inc(completion)
+    if first is not None and completion > sequences:
+        REQUEST_TOKENS_PER_SECOND.labels(job.model).observe(
+            (completion - sequences) / max(time.perf_counter() - first, 1e-6))
+    return Usage(prompt_tokens, completion)
 
 
 ROUTE_BYTES = 4 << 20
@@ -246,6 +252,68 @@ def _transport_failure(e: grpc.aio.AioRpcError) -> bool:
     return e.code() == grpc.StatusCode.UNAVAILABLE and not answered_by_peer(e)
 
 
+@dataclass
+class _Attempt:
+    """One try of a sequence on one worker: the worker picked, its call, whether any output went to the client."""
+
+    worker: WorkerHandle | None = None
+    call: Any = None
+    sent: bool = False
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """How a try ended short, as the retry rules read it: the worker aborted the sequence (``rpc`` None), or its
+    call failed (``lost``: at the transport, the worker is gone)."""
+
+    rpc: grpc.aio.AioRpcError | None = None
+    reason: str = ""
+    lost: bool = False
+
+    @property
+    def code(self) -> grpc.StatusCode | None:
+        return self.rpc.code() if self.rpc is not None else None
+
+    def error(self, sent: bool) -> EmbedmeshError:
+        """What the client gets when the failure is not retried."""
+        if self.rpc is None:
+            return Unavailable("the worker stopped this generation (it is shutting down); retry",
+                               reason="WORKER_ABORTED", retry_after_seconds=1.0)
+        if self.lost:
+            what = "was lost mid-generation" if sent else "could not be reached"
+            return Unavailable(f"the worker serving this request {what}; retry the request",
+                               reason="WORKER_LOST", retry_after_seconds=1.0)
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return Unavailable("every worker for this model is at capacity; retry shortly",
+                               reason="WORKERS_BUSY", retry_after_seconds=1.0)
+        return from_rpc_error(self.rpc)
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """A failure retried once on another worker, when nothing was sent yet (``WORKER_RETRIES`` counts it by
+    ``label``); ``refresh``: our view of the failed worker's adapters is stale, read them again first."""
+
+    applies: Callable[[_Failure, str, WorkerHandle | None], bool]
+    """(failure, adapter, failed worker) -> whether this rule retries it."""
+    label: Callable[[_Failure], str]
+    refresh: bool = False
+
+
+_RETRIES = (
+    # The worker aborted the sequence before any output (it is draining).
+    _Retry(lambda f, adapter, worker: f.rpc is None, lambda f: "aborted"),
+    # Unreachable, lost, or refused as busy: another worker may take it.
+    _Retry(lambda f, adapter, worker: f.code == grpc.StatusCode.UNAVAILABLE or (
+        f.code == grpc.StatusCode.RESOURCE_EXHAUSTED and f.reason == "WORKER_BUSY"),
+           lambda f: "lost" if f.lost else f.code.name.lower() if f.code is not None else ""),
+    # The adapter was unloaded behind our back, or the worker restarted.
+    _Retry(lambda f, adapter, worker: bool(adapter) and worker is not None and f.reason == "LORA_NOT_LOADED",
+           lambda f: "lora_not_loaded", refresh=True),
+)
+"""The retry rules, in the order they are tried; a failure no rule takes goes to the client as ``error``."""
+
+
 async def _one(
     index: int,
     req: worker_pb2.GenerateRequest,
@@ -258,81 +326,68 @@ async def _one(
     body: bytes | ChunkedBody | None = None,
 ) -> None:
     """Stream one sequence from a worker into ``out`` (``body``: ``req`` with its segments, already serialized;
-    without it ``req`` is sent as it is). A worker that fails, refuses or aborts the sequence before
-    it produced anything is retried once on another worker (see the module docstring)."""
+    without it ``req`` is sent as it is): pick a worker, call it, classify how the call ended; a failure before
+    any output that a rule of ``_RETRIES`` takes is retried once on another worker (see the module docstring)."""
     failed: WorkerHandle | None = None
     for attempt in range(2):
-        worker = None
-        call = None
-        sent = False
+        a = _Attempt()
         try:
-            if attempt == 0 or pool is None:
-                worker = await pick()
-            elif adapter:
-                worker = await pool.ensure_adapter(model, adapter, exclude=failed)
-            else:
-                worker = pool.pick(model, exclude=failed)
-            worker.inflight += 1
-            call = worker.generate_raw(body) if body is not None else worker.stub.Generate(req)
-            async for resp in call:
-                if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
-                    log.warning("worker aborted a sequence", extra={"worker": worker.address,
-                                                                    "request_id": req.request_id, "sent": sent})
-                    if not sent and attempt == 0 and pool is not None:
-                        failed = worker
-                        WORKER_RETRIES.labels("aborted").inc()
-                        break
-                    raise Unavailable("the worker stopped this generation (it is shutting down); retry",
-                                      reason="WORKER_ABORTED", retry_after_seconds=1.0)
-                sent = True
-                out.put_nowait((index, resp))
-                while out.qsize() > BACKLOG:  # the reader is behind: stop reading the worker (gRPC flow control
-                    await asyncio.sleep(0.002)  # holds it back) until the reader took what is queued
-            else:
+            failure = await _call(a, index, req, pick, out, pool, model, adapter, body, attempt, failed)
+            if failure is None:
                 return
-            continue  # aborted before any output: the retry
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as e:
-            code = e.code()
-            lost = _transport_failure(e)
-            WORKER_FAILURES.labels(code.name).inc()
-            if lost and worker is not None and pool is not None:
-                pool.mark_lost(worker)
-            retryable = code == grpc.StatusCode.UNAVAILABLE or (
-                code == grpc.StatusCode.RESOURCE_EXHAUSTED and from_rpc_error(e).reason == "WORKER_BUSY")
-            log.warning("worker call failed", extra={
-                "worker": worker.address if worker else "", "request_id": req.request_id, "code": code.name,
-                "details": e.details(), "sent": sent, "attempt": attempt})
-            if retryable and not sent and attempt == 0 and pool is not None:
-                failed = worker
-                WORKER_RETRIES.labels("lost" if lost else code.name.lower()).inc()
-                continue
-            if (adapter and not sent and attempt == 0 and pool is not None and worker is not None
-                    and from_rpc_error(e).reason == "LORA_NOT_LOADED"):
-                # Our view of its adapters was stale (unloaded behind our back, or the worker restarted).
-                await pool.refresh_adapters(worker)
-                failed = worker
-                WORKER_RETRIES.labels("lora_not_loaded").inc()
-                continue
-            if lost:
-                what = "was lost mid-generation" if sent else "could not be reached"
-                out.put_nowait(Unavailable(f"the worker serving this request {what}; retry the request",
-                                           reason="WORKER_LOST", retry_after_seconds=1.0))
-            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                out.put_nowait(Unavailable("every worker for this model is at capacity; retry shortly",
-                                           reason="WORKERS_BUSY", retry_after_seconds=1.0))
-            else:
-                out.put_nowait(from_rpc_error(e))
-            return
-        except EmbedmeshError as e:
-            out.put_nowait(e)
-            return
+            rule = None
+            if not a.sent and attempt == 0 and pool is not None:
+                rule = next((r for r in _RETRIES if r.applies(failure, adapter, a.worker)), None)
+            if rule is None:
+                out.put_nowait(failure.error(a.sent))
+                return
+            if rule.refresh and pool is not None and a.worker is not None:
+                await pool.refresh_adapters(a.worker)
+            failed = a.worker
+            WORKER_RETRIES.labels(rule.label(failure)).inc()
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to INTERNAL
             out.put_nowait(e)
             return
         finally:
-            if call is not None:
-                call.cancel()
-            if worker is not None:
-                worker.inflight -= 1
+            if a.call is not None:
+                a.call.cancel()
+            if a.worker is not None:
+                a.worker.inflight -= 1
+
+
+async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
+                pick: Callable[[], Awaitable[WorkerHandle]],
+                out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
+                pool: WorkerPool | None, model: str, adapter: str, body: bytes | ChunkedBody | None, attempt: int,
+                failed: WorkerHandle | None) -> _Failure | None:
+    """One try: pick (the first try asks ``pick``; the retry the pool, past the failed worker), call and stream
+    into ``out``. None when the sequence ended; else how the try failed."""
+    try:
+        if attempt == 0 or pool is None:
+            a.worker = await pick()
+        elif adapter:
+            a.worker = await pool.ensure_adapter(model, adapter, exclude=failed)
+        else:
+            a.worker = pool.pick(model, exclude=failed)
+        a.worker.inflight += 1
+        a.call = a.worker.generate_raw(body) if body is not None else a.worker.stub.Generate(req)
+        async for resp in a.call:
+            if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                log.warning("worker aborted a sequence", extra={"worker": a.worker.address,
+                                                                "request_id": req.request_id, "sent": a.sent})
+                return _Failure()
+            a.sent = True
+            out.put_nowait((index, resp))
+            while out.qsize() > BACKLOG:  # the reader is behind: stop reading the worker (gRPC flow control
+                await asyncio.sleep(0.002)  # holds it back) until the reader took what is queued
+        return None
+    except grpc.aio.AioRpcError as e:
+        code = e.code()
+        lost = _transport_failure(e)
+        WORKER_FAILURES.labels(code.name).inc()
+        if lost and a.worker is not None and pool is not None:
+            pool.mark_lost(a.worker)
+        log.warning("worker call failed", extra={
+            "worker": a.worker.address if a.worker else "", "request_id": req.request_id, "code": code.name,
+            "details": e.details(), "sent": a.sent, "attempt": attempt})
+        return _Failure(e, from_rpc_error(e).reason or "", lost)
