@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedmesh import mesh_spec
+from embedmesh.core import callers
 from embedmesh.core.config import Settings, option
 from embedmesh.services.worker.engines import registry
 
@@ -482,7 +483,10 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
     def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
                python: str = sys.executable) -> subprocess.Popen[bytes]:
         cert = "worker" if name.startswith("worker-") else name
-        return _spawn_process(name, module, args, {**child_env, **certs.get(cert, {})}, python)
+        own = {**child_env, **certs.get(cert, {})}
+        if not callers.needs_mesh_token(cert, tls=bool(certs)):
+            own.pop("EMBEDMESH_MESH_TOKEN", None)  # least privilege: core/callers.py says who holds it
+        return _spawn_process(name, module, args, own, python)
 
     plan = _Plan(a, env, _spawn, {}, [], [])
     for name in check_mesh():

@@ -154,6 +154,36 @@ def test_nothing_without_a_mesh_certificate_reaches_the_internal_plane(smesh: Me
         assert worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=30).model == MODEL
 
 
+def test_a_service_certificate_makes_only_that_services_calls(smesh: Mesh) -> None:
+    """Least privilege: the gateway's and the embedding worker's certificates pass the handshake of internal ports
+    but are no mesh credential there — neither can register a worker (and receive prompts) nor generate on one; the
+    gateway's process holds no mesh token either."""
+    d = _tls_dir(smesh)
+    worker, router = smesh.workers[0], str(smesh.extra["router"])
+    reg = router_pb2.WorkerStreamRequest(registration=router_pb2.Registration(
+        worker_id="intruder", address="127.0.0.1:1", model=MODEL, block_size=16, engine="hf"))
+    for name in ("gateway", "embed-worker"):
+        creds = grpc.ssl_channel_credentials(root_certificates=(d / "ca.pem").read_bytes(),
+                                             private_key=(d / f"{name}-key.pem").read_bytes(),
+                                             certificate_chain=(d / f"{name}.pem").read_bytes())
+        with grpc.secure_channel(router, creds) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                for _ in router_pb2_grpc.RouterServiceStub(ch).WorkerStream(iter([reg]), timeout=10):
+                    pass
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+            assert name in (info.value.details() or "")
+        with grpc.secure_channel(worker, creds) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+    import psutil
+
+    children = psutil.Process(smesh.proc.pid).children()
+    gateway = next(p for p in children if "embedmesh.gateway" in " ".join(p.cmdline()))
+    assert "EMBEDMESH_MESH_TOKEN" not in gateway.environ()
+    assert any("EMBEDMESH_MESH_TOKEN" in p.environ() for p in children)  # the preprocessor and vector store
+
+
 def test_admin_plane_needs_an_admin_key(smesh: Mesh) -> None:
     with grpc.secure_channel(smesh.preprocessor, _creds(smesh, with_cert=False)) as ch:
         stub = cache_pb2_grpc.EncoderCacheServiceStub(ch)

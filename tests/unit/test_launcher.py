@@ -178,6 +178,34 @@ def test_tls_makes_certificates_for_every_child(monkeypatch: pytest.MonkeyPatch,
     assert any("mutual TLS" in x for x in lines)
 
 
+@pytest.mark.parametrize("tls, holders", [
+    (False, {"router", "worker-0", "embed-worker", "preprocessor", "vector-store"}),  # the only credential inside
+    (True, {"preprocessor", "vector-store"}),  # certificates inside; the token only on the public port
+])
+def test_the_mesh_token_goes_only_to_the_services_that_use_it(tls: bool, holders: set[str],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """Least privilege: the client-facing gateway never holds the mesh token; with mutual TLS only the two ends of
+    the one call that uses it do."""
+    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
+    monkeypatch.setenv("EMBEDMESH_API_KEYS", "key-12345678=alpha")
+    envs: dict[str, dict[str, str]] = {}
+
+    def spawn(name: str, module: str, args: list[str], env: dict[str, str], python: str = "") -> _FakeProc:
+        envs[name] = env
+        return _FakeProc()
+
+    monkeypatch.setattr(launcher, "_spawn_process", spawn)
+    a = _args(*(["--tls", "--tls-dir", str(tmp_path)] if tls else []))
+    env = dict(os.environ)  # as main() starts
+    per_child, _ = launcher.security_env(a, env)
+    launcher.start_mesh(a, per_child, env)
+    assert set(envs) == {"router", "worker-0", "embed-worker", "preprocessor", "vector-store", "gateway"}
+    assert {name for name, e in envs.items() if "EMBEDMESH_MESH_TOKEN" in e} == holders
+    assert all(e["EMBEDMESH_MESH_TOKEN"] == env["EMBEDMESH_MESH_TOKEN"] for n, e in envs.items() if n in holders)
+    assert all(e["EMBEDMESH_API_KEYS"] for e in envs.values())  # keys still reach everyone that checks them
+
+
 def test_gateway_tls_needs_tls() -> None:
     with pytest.raises(SystemExit):
         _args("--gateway-tls")

@@ -30,9 +30,16 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, tls, wire
+from embedmesh.core import auth, callers, tls, wire
 from embedmesh.core.auth import Access
-from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
+from embedmesh.core.errors import (
+    EmbedmeshError,
+    InternalError,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    to_status,
+)
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
     RPC_IN_FLIGHT,
@@ -44,8 +51,8 @@ from embedmesh.core.telemetry import (
     tracer,
 )
 
-__all__ = ["ServerOptions", "Server", "channel_options", "server_options", "insecure_channel", "mesh_channel", "plain_mesh_channel",
-           "run_service", "EVENT_LOOPS",
+__all__ = ["ServerOptions", "Server", "channel_options", "server_options", "insecure_channel", "mesh_channel",
+           "plain_mesh_channel", "run_service", "EVENT_LOOPS",
            "metadata_interceptors",
            "wrap_handler", "Observed", "unexpected_error",
            "LIVENESS", "Access"]
@@ -326,21 +333,37 @@ def _md_value(metadata: Any, key: str) -> str:
 class _Authorizer:
     """Authenticates one call for its access level and holds the tenant's concurrency slot while it runs."""
 
-    def __init__(self, access: Access, require_client_cert: bool) -> None:
+    def __init__(self, access: Access, require_client_cert: bool, method: str = "") -> None:
         self.access = access
         self.require_client_cert = require_client_cert
+        self.method = method
 
     def principal(self, metadata: Any, context: grpc.aio.ServicerContext) -> auth.Principal:
+        """On a port that demands mesh certificates, the certificate's identity decides whether the caller is the
+        mesh for this method (``core/callers.py``), and the mesh token is not a credential there: it is a secret
+        several services hold, a certificate names one. Elsewhere the token is what makes a mesh caller."""
         sec = tls.current()
-        return auth.authenticate(
-            self.access,
-            authorization=_md_value(metadata, "authorization"),
-            mesh_cert=self.require_client_cert and _peer_has_mesh_cert(context),
-            mesh_token=_md_value(metadata, tls.MESH_TOKEN_HEADER),
-            tenant_header=_md_value(metadata, auth.TENANT_HEADER),
-            security_enabled=sec.enabled,
-            token_ok=sec.token_matches(_md_value(metadata, tls.MESH_TOKEN_HEADER)),
-        )
+        cert = self.require_client_cert and _peer_has_mesh_cert(context)
+        who: str | None = None
+        if cert:
+            who = callers.identity(context.auth_context())
+            cert = callers.may_call(self.method, who)
+        try:
+            return auth.authenticate(
+                self.access,
+                authorization=_md_value(metadata, "authorization"),
+                mesh_cert=cert,
+                mesh_token=_md_value(metadata, tls.MESH_TOKEN_HEADER),
+                tenant_header=_md_value(metadata, auth.TENANT_HEADER),
+                security_enabled=sec.enabled,
+                token_ok=not self.require_client_cert and sec.token_matches(_md_value(metadata,
+                                                                                      tls.MESH_TOKEN_HEADER)),
+            )
+        except (Unauthenticated, PermissionDenied):
+            if self.require_client_cert and not cert and _peer_has_mesh_cert(context):
+                raise PermissionDenied(callers.describe_refusal(self.method, who), reason="CALLER_NOT_ALLOWED") \
+                    from None
+            raise
 
 
 def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: _Authorizer | None,
@@ -442,7 +465,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
     not a protobuf of the RPC's type refused as INVALID_ARGUMENT. Built once per method (``Server.add``); each call
     reads its own metadata from its context."""
-    authz = _Authorizer(access, require_client_cert) if access is not None else None
+    authz = _Authorizer(access, require_client_cert, method) if access is not None else None
     kw = dict(
         request_deserializer=_safe_deserializer(
             wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method),
