@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from embedmesh.gateway.context import Gateway
+from embedmesh.gateway.context import Gateway, too_large
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.vector_stores import VectorStoreClient, json_response, list_json, page_request
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
@@ -40,11 +40,26 @@ def file_json(f: pb.File) -> dict[str, Any]:
             "purpose": f.purpose, "status": "processed", "status_details": None, "expires_at": None}
 
 
-async def _parse_form(request: Request) -> FormData:
+async def _parse_form(request: Request, limit: int) -> FormData:
     """The multipart body, or a 400 naming ``file`` that says what is wrong with it (no boundary, a part without a
-    name, more than one file, a field over 1 MiB, bytes that are not multipart)."""
+    name, more than one file, a field over 1 MiB, bytes that are not multipart); 413 past ``limit`` bytes, counted
+    as they arrive (the declared length is a claim, and a chunked body declares none): the parser would otherwise
+    spool a file of any size to the gateway's disk."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    receive, seen = request.receive, 0
+
+    async def bounded() -> Any:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise too_large(limit)
+        return message
+
     try:
-        return await request.form(max_files=1, max_fields=16)
+        return await Request(request.scope, bounded).form(max_files=1, max_fields=16)
     except (HTTPException, MultiPartException) as e:  # starlette turns MultiPartException into a 400 HTTPException
         detail = e.detail if isinstance(e, HTTPException) else e.message
         raise bad_request("file", f"malformed multipart/form-data body: {detail} Send fields 'file' (the file) and "
@@ -62,7 +77,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("file", "upload the file as multipart/form-data with fields 'file' and 'purpose'",
                               "invalid_content_type")
-        form = await _parse_form(request)
+        form = await _parse_form(request, gateway.config.max_body_bytes)
         try:
             upload = form.get("file")
             purpose = form.get("purpose")

@@ -59,6 +59,33 @@ def test_an_upload_without_purpose_or_file_or_multipart_is_a_400_before_any_call
     assert stub.calls == []
 
 
+def test_an_upload_over_the_body_limit_is_a_413_counted_as_it_arrives() -> None:
+    """Declared or not (chunked), a multipart body past max_body_bytes is refused while it arrives instead of being
+    spooled whole to the gateway's disk; nothing reaches the vector store."""
+    gw = bare_gateway(vector_store="127.0.0.1:1", request_timeout_seconds=9, max_body_bytes=64 * 1024)
+    stub = FakeStub(UploadFile=pb.UploadFileResponse(file=FILE))
+    http = route_client(files.routes(gw, ScriptedClient(gw, stub)))
+    data = os.urandom(256 * 1024)
+    r = http.post("/v1/files", files={"file": ("big.bin", data, "application/octet-stream")},
+                  data={"purpose": "assistants"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nassistants\r\n"
+            f"--{boundary}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"big.bin\"\r\n"
+            f"content-type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+
+    def chunked() -> Any:  # no content-length: only counting can refuse it
+        for i in range(0, len(body), 16 * 1024):
+            yield body[i:i + 16 * 1024]
+
+    r = http.post("/v1/files", content=chunked(), headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    small = http.post("/v1/files", files={"file": ("small.bin", data[:1000], "application/octet-stream")},
+                      data={"purpose": "assistants"})
+    assert small.status_code == 200, small.text  # under the limit: served as before
+    assert [m for m, _, _ in stub.calls] == ["UploadFile"]
+
+
 def test_the_services_refusal_of_an_upload_is_mapped() -> None:
     http, _ = client(UploadFile=rpc_error(InvalidArgument("file: only text files are accepted, got image/png",
                                                           field="file", reason="UNSUPPORTED_FILE_TYPE")))
