@@ -4,8 +4,10 @@ what it serves. ``worker/main.py`` builds engines only through ``build_engine``;
 
 Adding an engine = one folder under ``worker/engines/`` (its ``Engine`` subclass, its options dataclass in
 ``config.py``, a ``build`` factory in ``__init__.py``) plus one ``register`` line below (see docs/ARCHITECTURE.md).
-Importing a folder loads only its options; ``build`` imports the engine lazily, so a worker loads only the libraries
-of the engine it runs (torch for hf, vllm in its own venv, ...).
+An engine's ``build`` takes an ``EngineContext`` (``engines/base.py``: model, served name, routers, block size, LoRA
+settings and its own options), never the worker's config. Importing a folder loads only its options; ``build``
+imports the engine lazily, so a worker loads only the libraries of the engine it runs (torch for hf, vllm in its
+own venv, ...).
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from embedmesh.services.worker.engines import echo, hf, hf_embed, sglang, vllm
+from embedmesh.services.worker.engines import echo, hf, hf_embed, mocker, sglang, vllm
 
 if TYPE_CHECKING:
     from embedmesh.services.worker.config import WorkerConfig
-    from embedmesh.services.worker.engines.base import Engine
+    from embedmesh.services.worker.engines.base import Engine, EngineContext
     from embedmesh.services.worker.engines.options import EngineOptions
 
-__all__ = ["EngineSpec", "register", "names", "spec", "build_engine", "venv_of", "UnknownEngine"]
+__all__ = ["EngineSpec", "register", "names", "spec", "build_engine", "engine_context", "venv_of", "UnknownEngine"]
 
 
 class UnknownEngine(ValueError):
@@ -31,9 +33,9 @@ class UnknownEngine(ValueError):
 @dataclass(frozen=True)
 class EngineSpec:
     name: str
-    build: Callable[[WorkerConfig], Engine]
-    """Engine from the worker's config (imports the engine module lazily); its own options are
-    ``config.options_as(<options class>)``."""
+    build: Callable[[EngineContext], Engine]
+    """Engine from its context (imports the engine module lazily); its own options are
+    ``context.options_as(<options class>)``."""
     summary: str
     """One line for --help and the README."""
     options: type[EngineOptions] | None = None
@@ -72,7 +74,17 @@ def spec(name: str) -> EngineSpec:
 
 
 def build_engine(config: WorkerConfig) -> Engine:
-    return spec(config.engine).build(config)
+    """The configured engine, built from ``engine_context(config)``."""
+    return spec(config.engine).build(engine_context(config))
+
+
+def engine_context(config: WorkerConfig) -> EngineContext:
+    """What an engine is built from: the worker's settings engines read, and the configured engine's options."""
+    from embedmesh.services.worker.engines.base import EngineContext
+
+    return EngineContext(engine=config.engine, model=config.model, served_name=config.served_name,
+                         routers=config.routers, block_size=config.block_size, enable_lora=config.enable_lora,
+                         lora_modules=config.lora_modules, options=config.engine_options)
 
 
 def venv_of(name: str) -> str | None:
@@ -93,3 +105,5 @@ register(EngineSpec("sglang", sglang.build, "SGLang's Engine (embeddings on CPU;
                     lora_needs_flag=True))
 register(EngineSpec("echo", echo.build, "no model: echoes the prompt (overhead benchmarks)",
                     options=echo.EchoOptions))
+register(EngineSpec("mocker", mocker.build, "no model: simulated paged KV cache and timing (router and fleet tests)",
+                    options=mocker.MockerOptions))

@@ -23,7 +23,7 @@ ENGINES_DIR = Path(engines_pkg.__file__).parent
 
 
 def test_every_engine_is_registered_once_with_what_the_launcher_needs() -> None:
-    assert registry.names() == ("hf", "hf-embed", "vllm", "sglang", "echo")
+    assert registry.names() == ("hf", "hf-embed", "vllm", "sglang", "echo", "mocker")
     assert registry.venv_of("vllm") == "--vllm-venv" and registry.venv_of("sglang") == "--sglang-venv"
     assert registry.venv_of("hf") is None and registry.venv_of("echo") is None
     assert registry.spec("hf-embed").tasks == ("embed",)
@@ -153,5 +153,5 @@ def test_a_new_engine_is_built_with_its_own_options_from_flags(toy_registered: o
         WorkerConfig.from_args(["--engine", "toy", "--toy-width", "0"])
     assert exit_.value.code == 2 and "toy_width must be >= 1" in capsys.readouterr().err
     # ...and the known engines listed for a misspelt name include it.
-    with pytest.raises(registry.UnknownEngine, match="known engines: hf, hf-embed, vllm, sglang, echo, toy"):
+    with pytest.raises(registry.UnknownEngine, match="known engines: hf, hf-embed, vllm, sglang, echo, mocker, toy"):
         WorkerConfig(engine="tyo")
