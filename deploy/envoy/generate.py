@@ -125,7 +125,10 @@ def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool) -> lis
 
 
 def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, Any]], grpc: bool = True,
-                   tls: dict[str, Any] | None = None) -> dict[str, Any]:
+                   tls: dict[str, Any] | None = None, name_caller: bool = False) -> dict[str, Any]:
+    """An HTTP/2 listener; with ``name_caller`` (an mTLS ingress) it tells the app who called: the caller's
+    certificate subject in ``x-forwarded-client-cert``, whatever the caller sent in that header dropped — the app
+    authorizes that identity per RPC (embedmesh/core/callers.py)."""
     filters: list[dict[str, Any]] = []
     if grpc:
         # Per-method success/failure counters (envoy_cluster_grpc_*), next to the services' own metrics.
@@ -151,6 +154,8 @@ def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, An
                 "route_config": {"name": name, "virtual_hosts": [{"name": name, "domains": ["*"],
                                                                   "routes": routes}]},
                 "http_filters": filters,
+                **({"forward_client_cert_details": "SANITIZE_SET",
+                    "set_current_client_cert_details": {"subject": True}} if name_caller else {}),
             },
         }]}],
     }
@@ -223,7 +228,8 @@ def sidecar(mesh: dict[str, Any], name: str, tls_dir: str | None = None) -> dict
     downstream = _downstream_tls(tls_dir) if tls_dir else None
     if svc.get("protocol", "grpc") == "grpc":
         listeners.append(_http_listener("ingress", _address("0.0.0.0", ingress_port(mesh, name)),
-                                        _routes(mesh, name, "local_app", retry=False), tls=downstream))
+                                        _routes(mesh, name, "local_app", retry=False), tls=downstream,
+                                        name_caller=downstream is not None))
         # The app behind its own ingress is checked by the kubelet (grpc probes) and by every caller's sidecar.
         # With mTLS the app demands a client certificate: the sidecar presents the pod's own, and accepts only the
         # app's (its Service name), not just any mesh certificate.

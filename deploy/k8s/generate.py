@@ -303,20 +303,27 @@ def tls_secret(name: str) -> str:
 
 def mtls_patch(mesh: dict[str, Any], name: str) -> dict[str, Any]:
     """A strategic-merge patch of ``name``'s workload: the certificate and (where used) the API keys mounted, the
-    TLS/mesh-token/key env, the kubelet's probes through the sidecar's plaintext probe listener (they cannot speak
-    TLS), and for advertised workers their DNS name. Lists merge by name/port/path, so it composes with overlays
-    that patch the same containers (the gpu overlay's engines)."""
+    TLS/sidecar/key env (the mesh token only where ``core/callers.needs_mesh_token`` says), the kubelet's probes
+    through the sidecar's plaintext probe listener (they cannot speak TLS), and for advertised workers their DNS
+    name. Lists merge by name/port/path, so it composes with overlays that patch the same containers (the gpu
+    overlay's engines)."""
     m, svc, env = mesh["mtls"], mesh["services"][name], mesh["envoy"]
     grpc = svc.get("protocol", "grpc") == "grpc"
     mount = m["mount"]
     tls_mount = {"name": "mesh-tls", "mountPath": mount, "readOnly": True}
+    from embedmesh.core.callers import needs_mesh_token
+
     app_env: list[dict[str, Any]] = [
         {"name": "EMBEDMESH_TLS_CERT", "value": f"{mount}/tls.crt"},
         {"name": "EMBEDMESH_TLS_KEY", "value": f"{mount}/tls.key"},
         {"name": "EMBEDMESH_TLS_CA", "value": f"{mount}/ca.crt"},
-        {"name": "EMBEDMESH_MESH_TOKEN", "valueFrom": {"secretKeyRef": {"name": m["mesh_token_secret"],
-                                                                        "key": "token"}}},
     ]
+    if grpc:
+        # Calls reach the app through the pod's own sidecar, which names the caller in x-forwarded-client-cert.
+        app_env.append({"name": "EMBEDMESH_TLS_SIDECAR", "value": "1"})
+    if needs_mesh_token(name, tls=True):  # least privilege: only the two ends of the public-port call hold it
+        app_env.append({"name": "EMBEDMESH_MESH_TOKEN",
+                        "valueFrom": {"secretKeyRef": {"name": m["mesh_token_secret"], "key": "token"}}})
     mounts = [tls_mount]
     # 0440 with the pod's fsGroup: readable by the service's user (and Envoy, the same user), nobody else.
     volumes: list[dict[str, Any]] = [{"name": "mesh-tls", "secret": {"secretName": tls_secret(name),

@@ -11,6 +11,13 @@ Identity: the first DNS label of the certificate's common name, without a leadin
 certificates say ``CN=embedmesh-<name>`` (``core/certs.py``), the cert-manager overlay's say
 ``CN=<name>.<namespace>.svc.cluster.local`` (``deploy/k8s``); both give ``<name>``.
 
+Behind a sidecar (the Kubernetes mTLS overlay: each pod's Envoy terminates the caller's TLS and opens its own to the
+app with the pod's certificate), the app's peer is its own sidecar and holds the app's own certificate. With
+``EMBEDMESH_TLS_SIDECAR=1`` (set only by that overlay), a peer holding the process's own identity stands for the
+caller that its sidecar names in ``x-forwarded-client-cert`` (the sidecar sets it from the caller's certificate and
+drops whatever the caller sent: ``forward_client_cert_details: SANITIZE_SET``); without the header it is itself.
+Without the setting, the header is ignored.
+
 A certificate whose identity may not make the call is treated as no mesh credential at all: a MESH call is then
 refused PERMISSION_DENIED naming the identity and the call (``describe_refusal``), a PUBLIC call needs an API key
 like any client's. The mesh token still makes a mesh caller (it is what a mesh without TLS has, and what the vector
@@ -22,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MESH_CALLERS", "OPERATOR", "identity", "may_call", "describe_refusal", "needs_mesh_token"]
+__all__ = ["MESH_CALLERS", "OPERATOR", "XFCC_HEADER", "identity", "forwarded_identity", "may_call",
+           "describe_refusal", "needs_mesh_token"]
+
+XFCC_HEADER = "x-forwarded-client-cert"
 
 OPERATOR = "client"
 """The operator's certificate (the launcher's ``client.pem``): every internal call, as an admin key may — for
@@ -55,6 +65,38 @@ def identity(auth_context: Mapping[str, Any]) -> str | None:
         if label:
             return label
     return None
+
+
+def forwarded_identity(xfcc: str) -> str | None:
+    """The identity of the caller a sidecar names in ``x-forwarded-client-cert`` (its last element: the hop that
+    reached this pod), from the ``Subject``'s CN; None when the header names none."""
+    elements = _split(xfcc, ",")
+    if not xfcc or not elements:
+        return None
+    for field in _split(elements[-1], ";"):
+        key, _, value = field.partition("=")
+        if key.strip().lower() != "subject":
+            continue
+        for rdn in _split(value.strip().strip('"'), ","):
+            k, _, v = rdn.partition("=")
+            if k.strip().upper() == "CN":
+                return identity({"x509_common_name": [v.strip()]})
+    return None
+
+
+def _split(text: str, sep: str) -> list[str]:
+    """``text`` split on ``sep`` outside double quotes (XFCC quotes values that hold ',' ';' or '=')."""
+    out, cur, quoted = [], [], False
+    for ch in text:
+        if ch == '"':
+            quoted = not quoted
+        if ch == sep and not quoted:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
 
 
 def _allowed(method: str) -> frozenset[str] | None:

@@ -27,7 +27,8 @@ def configure_from_argv(argv: Sequence[str] | None, env: Mapping[str, str] | Non
 
     env = os.environ if env is None else env
     try:
-        tls.configure(tls.from_values(known.tls_cert, known.tls_key, known.tls_ca, known.mesh_token))
+        tls.configure(tls.from_values(known.tls_cert, known.tls_key, known.tls_ca, known.mesh_token,
+                                      known.tls_sidecar))
         auth.configure_keys(auth.keyring_from_values(known.api_keys_file, known.api_key,
                                                      env.get("EMBEDMESH_API_KEYS", ""), known.admin_key))
     except ValueError as e:

@@ -347,6 +347,9 @@ class _Authorizer:
         who: str | None = None
         if cert:
             who = callers.identity(context.auth_context())
+            if sec.sidecar and who is not None and who == sec.identity:
+                # our own sidecar: it names the caller whose TLS it terminated (core/callers.py)
+                who = callers.forwarded_identity(_md_value(metadata, callers.XFCC_HEADER)) or who
             cert = callers.may_call(self.method, who)
         try:
             return auth.authenticate(

@@ -9,6 +9,9 @@ channel it opens (``embedmesh.core.server``):
     private key      --tls-key      EMBEDMESH_TLS_KEY        its key (PEM)
     mesh CA          --tls-ca       EMBEDMESH_TLS_CA         the CA that signs every mesh certificate (PEM)
     mesh token       --mesh-token   EMBEDMESH_MESH_TOKEN     a shared secret internal callers send as metadata
+    behind a sidecar --tls-sidecar  EMBEDMESH_TLS_SIDECAR    calls arrive through this pod's own TLS sidecar
+                                                             (Envoy), which names the real caller in
+                                                             ``x-forwarded-client-cert`` (see core/callers.py)
 
 With the three TLS files set, a service serves TLS only; internal ports (workers, router, cache, vector store)
 require a client certificate signed by the mesh CA, so nobody without one completes the handshake. The public port
@@ -20,6 +23,7 @@ Without TLS, services bind 127.0.0.1 unless told otherwise (see each service's `
 from __future__ import annotations
 
 import argparse
+import functools
 import hmac
 import os
 from collections.abc import Mapping, Sequence
@@ -53,6 +57,16 @@ class Security:
 
     tls: TlsFiles | None = None
     mesh_token: str = ""
+    sidecar: bool = False
+    """Calls reach this process through its pod's own TLS sidecar: a peer holding this process's own certificate is
+    that sidecar, and the caller it names in ``x-forwarded-client-cert`` is the one to authorize."""
+
+    @functools.cached_property
+    def identity(self) -> str | None:
+        """This process's mesh identity, from its certificate's CN (None without TLS); read once."""
+        if self.tls is None:
+            return None
+        return _identity_of(self.tls.cert)
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +95,17 @@ class Security:
         return hmac.compare_digest(self.mesh_token.encode(), presented.encode())
 
 
+def _identity_of(cert: Path) -> str | None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from embedmesh.core import callers
+
+    pem = x509.load_pem_x509_certificate(cert.read_bytes())
+    names = [str(a.value) for a in pem.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    return callers.identity({"x509_common_name": names})
+
+
 _current = Security()
 
 
@@ -95,7 +120,7 @@ def current() -> Security:
     return _current
 
 
-def from_values(cert: str, key: str, ca: str, mesh_token: str) -> Security:
+def from_values(cert: str, key: str, ca: str, mesh_token: str, sidecar: bool = False) -> Security:
     """Validate the TLS file trio (all or none, each readable) and build a ``Security``."""
     given = [bool(cert), bool(key), bool(ca)]
     if any(given) and not all(given):
@@ -108,7 +133,9 @@ def from_values(cert: str, key: str, ca: str, mesh_token: str) -> Security:
                 raise ValueError(f"{flag}: {path} is not a readable file (make them with "
                                  f"`python -m embedmesh.core.certs --out DIR`)")
         tls = files
-    return Security(tls=tls, mesh_token=mesh_token)
+    if sidecar and tls is None:
+        raise ValueError("--tls-sidecar needs --tls-cert, --tls-key and --tls-ca (the pod's certificate)")
+    return Security(tls=tls, mesh_token=mesh_token, sidecar=sidecar)
 
 
 def add_security_args(p: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -120,6 +147,10 @@ def add_security_args(p: argparse.ArgumentParser, env: Mapping[str, str] | None 
     g.add_argument("--tls-ca", default=env.get("EMBEDMESH_TLS_CA", ""), help="the mesh CA (PEM)")
     g.add_argument("--mesh-token", default=env.get("EMBEDMESH_MESH_TOKEN", ""),
                    help="shared secret of internal callers (EMBEDMESH_MESH_TOKEN)")
+    g.add_argument("--tls-sidecar", action="store_true",
+                   default=env.get("EMBEDMESH_TLS_SIDECAR", "").lower() in ("1", "true", "yes"),
+                   help="calls arrive through this pod's own TLS sidecar, which names the caller in "
+                        "x-forwarded-client-cert (EMBEDMESH_TLS_SIDECAR=1)")
 
 
 def strip_security_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
@@ -133,7 +164,7 @@ def strip_security_args(argv: Sequence[str] | None, env: Mapping[str, str] | Non
     add_security_args(p, env)
     known, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        configure(from_values(known.tls_cert, known.tls_key, known.tls_ca, known.mesh_token))
+        configure(from_values(known.tls_cert, known.tls_key, known.tls_ca, known.mesh_token, known.tls_sidecar))
     except ValueError as e:
         p.error(str(e))
     return rest

@@ -92,3 +92,50 @@ async def test_a_worker_answers_the_preprocessor_and_the_operator_and_refuses_ot
                     assert name in err.message and "preprocessor" in err.message
     finally:
         await server.drain()
+
+
+@pytest.mark.parametrize("xfcc, who", [
+    ('Hash=ab12;Subject="CN=preprocessor.embedmesh.svc.cluster.local";DNS=preprocessor', "preprocessor"),
+    ('By=spiffe://mesh/worker;Hash=ab12;Subject="O=team,CN=embedmesh-worker"', "worker"),
+    ('Hash=1;Subject="CN=gateway",Hash=2;Subject="CN=vector-store.ns.svc"', "vector-store"),  # the last hop
+    ("Hash=ab12", None),
+    ("", None),
+])
+def test_the_forwarded_caller_is_the_cn_of_the_last_element(xfcc: str, who: str | None) -> None:
+    assert callers.forwarded_identity(xfcc) == who
+
+
+async def test_behind_its_sidecar_a_service_authorizes_the_caller_the_sidecar_names(
+        certs: Path, plain_security: None, serve_echo: ServeEcho) -> None:
+    """The Kubernetes mTLS overlay: the app's peer is its own sidecar, holding the app's own certificate, and the
+    real caller is in x-forwarded-client-cert. Trusted only with the sidecar setting, and only from a peer holding
+    the app's own identity: anyone else's header is ignored."""
+    xfcc = (callers.XFCC_HEADER, 'Hash=00;Subject="CN=preprocessor.embedmesh.svc.cluster.local"')
+    gw_xfcc = (callers.XFCC_HEADER, 'Hash=00;Subject="CN=gateway.embedmesh.svc.cluster.local"')
+    tls.configure(tls.Security(tls=_tls(certs, "worker").tls, sidecar=True))
+    assert tls.current().identity == "worker"
+    server = await serve_echo(Access.MESH)
+
+    async def code(name: str, md: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+        async with _channel(certs, server.port, name) as ch:
+            try:
+                await worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), metadata=md,
+                                                                    timeout=10)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+    try:
+        assert await code("worker", (xfcc,)) == grpc.StatusCode.OK  # the sidecar, forwarding the preprocessor
+        assert await code("worker", (gw_xfcc,)) == grpc.StatusCode.PERMISSION_DENIED  # forwarding the gateway
+        assert await code("worker", ()) == grpc.StatusCode.PERMISSION_DENIED  # itself: a worker may not
+        assert await code("gateway", (xfcc,)) == grpc.StatusCode.PERMISSION_DENIED  # not our sidecar: ignored
+        tls.configure(tls.Security(tls=_tls(certs, "worker").tls, sidecar=False))
+        assert await code("worker", (xfcc,)) == grpc.StatusCode.PERMISSION_DENIED  # no sidecar: header ignored
+    finally:
+        await server.drain()
+
+
+def test_the_sidecar_setting_needs_the_pods_certificate() -> None:
+    with pytest.raises(ValueError, match="tls-sidecar"):
+        tls.from_values("", "", "", "", sidecar=True)

@@ -258,6 +258,15 @@ def test_mtls_variant_puts_tls_on_every_mesh_leg(name: str) -> None:
             # The health checks ride the same TLS socket (no transport_socket_match_criteria overriding it).
             (check,) = cluster["health_checks"]
             assert "transport_socket_match_criteria" not in check
+    for listener in cfg["listeners"]:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        if listener["name"] == "ingress":
+            # the app authorizes the caller by this (embedmesh/core/callers.py): set from the caller's certificate,
+            # never passed on from what the caller sent
+            assert hcm["forward_client_cert_details"] == "SANITIZE_SET", name
+            assert hcm["set_current_client_cert_details"] == {"subject": True}, name
+        else:  # egress and probe: Envoy's default, SANITIZE — the app's own header never reaches a peer
+            assert "forward_client_cert_details" not in hcm, (name, listener["name"])
     if name in grpc_services():
         probe = next(lst for lst in cfg["listeners"] if lst["name"] == "probe")
         assert probe["address"]["socket_address"] == {"address": "0.0.0.0",
@@ -266,9 +275,13 @@ def test_mtls_variant_puts_tls_on_every_mesh_leg(name: str) -> None:
             ({"path": "/grpc.health.v1.Health/Check"}, "local_app")]
 
 
+_TLS_ONLY = {"transport_socket", "forward_client_cert_details", "set_current_client_cert_details"}
+"""The transport, and the caller's certificate named to the app (there is none without TLS)."""
+
+
 def _strip_tls(doc: Any) -> Any:
     if isinstance(doc, dict):
-        return {k: _strip_tls(v) for k, v in doc.items() if k != "transport_socket"}
+        return {k: _strip_tls(v) for k, v in doc.items() if k not in _TLS_ONLY}
     if isinstance(doc, list):
         return [_strip_tls(v) for v in doc if not (isinstance(v, dict) and v.get("name") == "probe")]
     return doc

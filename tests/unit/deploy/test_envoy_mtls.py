@@ -5,8 +5,12 @@ certificates from ``embedmesh.core.certs`` naming what the config demands (the r
 127.0.0.1):
 
 * Envoy's active gRPC health check reaches the router through TLS and marks it healthy;
-* a client holding a mesh certificate calls through the egress, and the router accepts the call as a mesh caller;
-* a client without one does not get past the egress listener.
+* a client holding a mesh certificate calls through the egress, and the router accepts the call as a mesh caller
+  (the egress presents its pod's certificate, a preprocessor's);
+* a client without one does not get past the egress listener;
+* the mTLS *ingress* names the caller to the app in x-forwarded-client-cert (whatever the caller sent there is
+  dropped), and the app, started behind its sidecar, authorizes that caller: a preprocessor's certificate may list
+  the router's workers, a gateway's may not, also when it forges the header.
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ def mtls_egress(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
 
     gen = load_script("envoy/generate.py")
     pki = tmp_path / "pki"
-    make_mesh_certs(pki, names=["router", "client"],
+    make_mesh_certs(pki, names=["router", "preprocessor", "client"],
                     hosts=["localhost", "127.0.0.1", gen.headless_host(mesh(), "router")])
-    tls = tmp_path / "tls"  # the pod's mount, as cert-manager's Secret names the files
+    tls = tmp_path / "tls"  # the calling pod's mount (a preprocessor's), as cert-manager's Secret names the files
     tls.mkdir()
-    for src, dst in (("router.pem", "tls.crt"), ("router-key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+    for src, dst in (("preprocessor.pem", "tls.crt"), ("preprocessor-key.pem", "tls.key"), ("ca.pem", "ca.crt")):
         shutil.copy(pki / src, tls / dst)
     router_port, egress, admin = free_port(), free_port(), free_port()
     config = gen.loopback(mesh(), listen_port=egress, endpoints=[f"127.0.0.1:{router_port}"], admin_port=admin,
@@ -73,8 +77,8 @@ def mtls_egress(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
         with open(logs[0], "wb") as out:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
-                 str(router_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
-                 "--tls-ca", str(tls / "ca.crt")], stdout=out, stderr=subprocess.STDOUT))
+                 str(router_port), "--tls-cert", str(pki / "router.pem"), "--tls-key", str(pki / "router-key.pem"),
+                 "--tls-ca", str(pki / "ca.pem")], stdout=out, stderr=subprocess.STDOUT))
         with open(logs[1], "wb") as out:
             procs.append(subprocess.Popen(
                 [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
@@ -101,7 +105,8 @@ def test_health_checks_and_calls_pass_over_mutual_tls(mtls_egress: tuple[int, in
     with grpc.secure_channel(f"127.0.0.1:{egress}", creds) as ch:
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=HEALTH), timeout=10)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-        # A mesh-only RPC: the router accepts it because the sidecar presented the pod's mesh certificate.
+        # A mesh-only RPC: the router accepts it because the sidecar presented its pod's mesh certificate, a
+        # preprocessor's — the one identity that may call it (embedmesh/core/callers.py).
         workers = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
         assert list(workers.workers) == []
     stats = _admin(admin, "/stats?filter=^cluster\\.router\\.(ssl\\.handshake|health_check\\.success)$")
@@ -116,3 +121,72 @@ def test_a_client_without_a_mesh_certificate_is_refused(mtls_egress: tuple[int, 
     with grpc.secure_channel(f"127.0.0.1:{egress}", creds) as ch, pytest.raises(grpc.RpcError) as err:
         health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=HEALTH), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_ingress_names_the_caller_and_the_app_behind_it_authorizes_that_caller(tmp_path: Path) -> None:
+    from embedmesh.core.certs import make_mesh_certs
+    from embedmesh.core.errors import from_rpc_error
+
+    gen = load_script("envoy/generate.py")
+    m = mesh()
+    pki = tmp_path / "pki"
+    pod_name = f"router.{m['namespace']}.svc.cluster.local"  # what the sidecar checks the app's certificate for
+    make_mesh_certs(pki, names=["router", "preprocessor", "gateway"], hosts=["localhost", "127.0.0.1", pod_name])
+    tls = tmp_path / "tls"  # the router pod's mount
+    tls.mkdir()
+    for src, dst in (("router.pem", "tls.crt"), ("router-key.pem", "tls.key"), ("ca.pem", "ca.crt")):
+        shutil.copy(pki / src, tls / dst)
+    router_port, ingress, admin = free_port(), free_port(), free_port()
+    # The generator's own ingress listener and local-app cluster (as sidecar() builds them), on free ports.
+    listener = gen._http_listener("ingress", gen._address("127.0.0.1", ingress),
+                                  gen._routes(m, "router", "local_app", retry=False),
+                                  tls=gen._downstream_tls(str(tls)), name_caller=True)
+    assert listener == next(x for x in gen.sidecar(m, "router", str(tls))["static_resources"]["listeners"]
+                            if x["name"] == "ingress") | {"address": listener["address"]}
+    cluster = gen._cluster("local_app", [("127.0.0.1", router_port)], dns=False,
+                           tls=gen._upstream_tls(str(tls), pod_name))
+    config = {"admin": {"address": gen._address("127.0.0.1", admin)},
+              "static_resources": {"listeners": [listener], "clusters": [cluster]}}
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(config))
+    logs = [tmp_path / "router.log", tmp_path / "envoy.log"]
+    procs = []
+    try:
+        with open(logs[0], "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
+                 str(router_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
+                 "--tls-ca", str(tls / "ca.crt"), "--tls-sidecar"], stdout=out, stderr=subprocess.STDOUT))
+        with open(logs[1], "wb") as out:
+            procs.append(subprocess.Popen(
+                [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
+                stdout=out, stderr=subprocess.STDOUT))
+
+        def call(name: str, forged: bool = False) -> grpc.StatusCode:
+            creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(),
+                                                 (pki / f"{name}-key.pem").read_bytes(),
+                                                 (pki / f"{name}.pem").read_bytes())
+            md = [("x-forwarded-client-cert", 'Hash=00;Subject="CN=embedmesh-preprocessor"')] if forged else []
+            with grpc.secure_channel(f"127.0.0.1:{ingress}", creds) as ch:
+                try:
+                    router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), metadata=md,
+                                                                      timeout=10)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                        assert from_rpc_error(e).reason == "CALLER_NOT_ALLOWED" and name in (e.details() or "")
+                    return e.code()
+                return grpc.StatusCode.OK
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while call("preprocessor") != grpc.StatusCode.OK:  # the router and Envoy are up
+            assert time.monotonic() < deadline, "\n".join(p.read_text()[-2000:] for p in logs if p.exists())
+            time.sleep(0.2)
+        assert call("gateway") == grpc.StatusCode.PERMISSION_DENIED
+        assert call("gateway", forged=True) == grpc.StatusCode.PERMISSION_DENIED  # the sidecar drops the forgery
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()

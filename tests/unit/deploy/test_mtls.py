@@ -159,11 +159,17 @@ def test_mesh_token_and_api_keys_come_from_operator_secrets(docs: list[dict[str,
     assert not any(s.startswith(m["mesh_token_secret"]) or s.startswith(m["api_keys_secret"])
                    for s in rendered_secrets), "operator-created Secrets must not be rendered with placeholders"
     found = workloads(docs)
+    holders = set()
     for name, svc in mesh()["services"].items():
         pod, app = _pod(found[name]), _app(name, found[name])
         env = env_of(app)
-        assert env["EMBEDMESH_MESH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": m["mesh_token_secret"],
-                                                                             "key": "token"}}, name
+        if "EMBEDMESH_MESH_TOKEN" in env:
+            holders.add(name)
+            assert env["EMBEDMESH_MESH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": m["mesh_token_secret"],
+                                                                                 "key": "token"}}, name
+        # every gRPC app sits behind its own sidecar, which names the caller it authorizes (core/callers.py)
+        assert (env.get("EMBEDMESH_TLS_SIDECAR", {}).get("value") == "1") == \
+            (svc.get("protocol", "grpc") == "grpc"), name
         if svc.get("api_keys"):
             path = env["EMBEDMESH_API_KEYS_FILE"]["value"]
             assert _secret_of(name, pod, app, path) == (m["api_keys_secret"], "keys.json"), name
@@ -171,6 +177,9 @@ def test_mesh_token_and_api_keys_come_from_operator_secrets(docs: list[dict[str,
             assert "EMBEDMESH_API_KEYS_FILE" not in env, name
     assert {n for n, s in mesh()["services"].items() if s.get("api_keys")} == {"gateway", "preprocessor",
                                                                                "vector-store"}
+    # least privilege: with mTLS the token is only the public port's credential — its checker and its one caller;
+    # the client-facing gateway above all never holds it
+    assert holders == {"preprocessor", "vector-store"}
 
 
 def test_readme_tells_the_operator_how_to_create_the_secrets() -> None:
