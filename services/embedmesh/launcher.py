@@ -40,6 +40,7 @@ from pathlib import Path
 from embedmesh import mesh_spec
 from embedmesh.core import callers
 from embedmesh.core.config import Settings, option
+from embedmesh.services.router.scoring import MODES
 from embedmesh.services.worker.engines import registry
 
 __all__ = ["main", "MeshProcess"]
@@ -193,6 +194,11 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     """torch threads per worker (0 = the machine's cores shared among the workers)."""
     router_port: int = MESH["router"].port
     """KV router port (0 = no router: round robin)."""
+    router_replicas: int = option(1, env="EMBEDMESH_ROUTER_REPLICAS")
+    """KV router processes, on --router-port and the next ports; every worker registers with each and every
+    preprocessor asks them (only the first gets a metrics port)."""
+    router_mode: str = option("kv", env="EMBEDMESH_ROUTER_MODE", choices=MODES)
+    """The routers' --mode: "kv", or the baselines "round-robin" and "random" (for measuring KV-aware routing)."""
     embedded_router: bool = False
     """Run the KV router inside the preprocessor (no router process, no routing hop; workers stream to the
     preprocessor's port). One preprocessor, as here."""
@@ -240,6 +246,8 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
             raise ValueError("--gateway-tls needs --tls")
         if not self.drain_seconds >= 0:
             raise ValueError("--drain-seconds must be >= 0")
+        if not 1 <= self.router_replicas <= 16:
+            raise ValueError(f"--router-replicas must be in [1, 16], got {self.router_replicas}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -308,6 +316,11 @@ MALLOC_TUNING = {
 }
 
 
+NO_MODEL_ENGINES = ("echo", "mocker")
+"""Engines that load no model: their mesh starts no embedding worker or vector store, and the preprocessor uses the
+default tokenizer."""
+
+
 CALL_FLAGS: dict[tuple[str, str], str] = {
     ("preprocessor", "worker"): "--workers",
     ("preprocessor", "worker-embed"): "--workers",
@@ -359,9 +372,14 @@ def _start_router(p: _Plan) -> None:
         return
     if not a.router_port:
         return
-    addr = f"{a.host}:{a.router_port}"
-    p.start("router", "router", addr, ["--host", a.host, "--port", str(a.router_port), *p.metrics(2)])
-    p.addrs["router"] = [addr]
+    p.addrs["router"] = []
+    for k in range(a.router_replicas):
+        port = a.router_port + k
+        addr = f"{a.host}:{port}"
+        args = ["--host", a.host, "--port", str(port), *(p.metrics(2) if k == 0 else []),
+                *(["--mode", a.router_mode] if a.router_mode != "kv" else [])]
+        p.start("router", "router" if k == 0 else f"router-{k}", addr, args)
+        p.addrs["router"].append(addr)
 
 
 def _start_workers(p: _Plan) -> None:
@@ -371,7 +389,7 @@ def _start_workers(p: _Plan) -> None:
     threads = a.worker_threads or max(1, (os.cpu_count() or 2) // (a.workers * len(models)))
     addrs = p.addrs.setdefault("worker", [])
     for m, i in ((m, j * a.workers + k) for j, m in enumerate(models) for k in range(a.workers)):
-        if m not in ("default", "SmolLM2-135M-Instruct") and i % a.workers == 0 and a.engine != "echo":
+        if m not in ("default", "SmolLM2-135M-Instruct") and i % a.workers == 0 and a.engine not in NO_MODEL_ENGINES:
             p.tokenizers.append(f"{Path(m).name}={Path(m).resolve()}")
         addr = f"{a.host}:{a.worker_port + i}"
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", m,
@@ -396,7 +414,7 @@ def _start_workers(p: _Plan) -> None:
 
 def _start_embed_worker(p: _Plan) -> None:
     a = p.a
-    if not a.embed_worker_port or a.engine == "echo":
+    if not a.embed_worker_port or a.engine in NO_MODEL_ENGINES:
         return
     addr = f"{a.host}:{a.embed_worker_port}"
     args = ["--host", a.host, "--port", str(a.embed_worker_port), "--engine", a.embed_engine, "--threads", "1",
@@ -413,7 +431,7 @@ def _start_preprocessor(p: _Plan) -> None:
             *p.callees("preprocessor", skip=("router",) if a.embedded_router else ())]
     if a.embedded_router:
         args += ["--embedded-router"]
-    if a.engine == "echo":
+    if a.engine in NO_MODEL_ENGINES:
         args += ["--tokenizer", a.model]
     if p.tokenizers:
         args += ["--model-tokenizers", ",".join(p.tokenizers)]
@@ -425,7 +443,7 @@ def _start_preprocessor(p: _Plan) -> None:
 
 def _start_vector_store(p: _Plan) -> None:
     a = p.a
-    if not a.vector_store_port or a.engine == "echo":
+    if not a.vector_store_port or a.engine in NO_MODEL_ENGINES:
         return
     addr = f"{a.host}:{a.vector_store_port}"
     args = ["--host", a.host, "--port", str(a.vector_store_port), "--data-dir", a.vector_store_data_dir,
@@ -482,7 +500,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
 
     def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
                python: str = sys.executable) -> subprocess.Popen[bytes]:
-        cert = "worker" if name.startswith("worker-") else name
+        cert = "worker" if name.startswith("worker-") else "router" if name.startswith("router-") else name
         own = {**child_env, **certs.get(cert, {})}
         if not callers.needs_mesh_token(cert, tls=bool(certs)):
             own.pop("EMBEDMESH_MESH_TOKEN", None)  # least privilege: core/callers.py says who holds it
@@ -567,10 +585,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 reported.add(p.name)
                 workers_alive = [w for w in procs if w.name.startswith("worker-") and w.proc.poll() is None]
+                routers_alive = [r for r in procs if r.name.startswith("router") and r.proc.poll() is None]
                 if (p.name.startswith("worker-") and workers_alive) or p.name == "embed-worker":
                     # One worker of several is gone: the router drops it and the rest keep serving.
                     print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
                           f"{len(workers_alive)} worker(s) still serving", flush=True)
+                    continue
+                if p.name.startswith("router") and routers_alive:
+                    # One router replica of several is gone: the preprocessors ask the others.
+                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
+                          f"{len(routers_alive)} router replica(s) still serving", flush=True)
                     continue
                 print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
                 stop_all(procs, grace)

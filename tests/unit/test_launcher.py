@@ -331,3 +331,22 @@ def test_enable_lora_reaches_only_engines_that_need_the_flag() -> None:
     from embedmesh.services.worker.engines import registry
 
     assert [n for n in registry.names() if registry.spec(n).lora_needs_flag] == ["vllm", "sglang"]
+
+
+def test_router_replicas_take_the_next_ports_and_every_worker_and_preprocessor_gets_them_all() -> None:
+    started = _plan(["--workers", "2", "--engine", "mocker", "--router-replicas", "3", "--router-port", "7000",
+                     "--router-mode", "round-robin"])
+    by_label = {label: args for label, _, args in started}
+    assert [label for label, _, _ in started] == ["router", "router-1", "router-2", "worker-0", "worker-1",
+                                                 "preprocessor", "gateway"]  # mocker: no embedding, no vector store
+    assert [_arg(by_label[r], "--port") for r in ("router", "router-1", "router-2")] == ["7000", "7001", "7002"]
+    assert all(_arg(by_label[r], "--mode") == "round-robin" for r in ("router", "router-1", "router-2"))
+    assert "--metrics-port" in by_label["router"] and "--metrics-port" not in by_label["router-1"]
+    routers = ",".join(f"127.0.0.1:{7000 + k}" for k in range(3))
+    assert _arg(by_label["worker-1"], "--routers") == routers and _arg(by_label["preprocessor"], "--routers") == routers
+    assert "--mode" not in _plan(["--router-replicas", "2"])[0][2]  # kv is the routers' default
+
+
+def test_router_replicas_are_bounded() -> None:
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--router-replicas", "0"])

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from embedmesh.core.config import Settings, option
-from embedmesh.services.router.scoring import Weights
+from embedmesh.services.router.scoring import MODES, Weights
 
 __all__ = ["RouterConfig"]
 
@@ -41,6 +41,9 @@ class RouterConfig(Settings, service="router", prog="embedmesh-router", descript
     """Workers without KV events: most blocks assumed cached per worker (oldest forgotten first)."""
     seed: int | None = None
     """Seed of the tie-breaking / softmax random generator (None = from the OS)."""
+    mode: str = option("kv", choices=MODES)
+    """How a worker is chosen: "kv" (cached prefix against load, the cost above), or the baselines it is measured
+    against, "round-robin" and "random" (the KV index is still kept and each decision's overlap still reported)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
@@ -53,6 +56,8 @@ class RouterConfig(Settings, service="router", prog="embedmesh-router", descript
             raise ValueError("stale_seconds, sweep_seconds and approx_ttl_seconds must be > 0")
         if self.approx_max_blocks < 1:
             raise ValueError("approx_max_blocks must be >= 1")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 
     @property
     def weights(self) -> Weights:

@@ -25,7 +25,7 @@ def build(config: RouterConfig) -> RouterServicer:
     """The servicer and the domain objects behind it, from one config."""
     registry = Registry(stale_seconds=config.stale_seconds, approx_ttl_seconds=config.approx_ttl_seconds,
                         approx_max_blocks=config.approx_max_blocks)
-    return RouterServicer(KvRouter(registry, config.weights, random.Random(config.seed)))
+    return RouterServicer(KvRouter(registry, config.weights, random.Random(config.seed), config.mode))
 
 
 async def sweep_forever(registry: Registry, every_seconds: float) -> None:

@@ -17,7 +17,7 @@ from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.services.router.metrics import DECISIONS, MATCHED_BLOCKS, OVERLAP
 from embedmesh.services.router.registry import Registry
-from embedmesh.services.router.scoring import Scored, Weights, choose, score
+from embedmesh.services.router.scoring import Scored, Weights, choose, choose_blind, score
 
 __all__ = ["Decision", "KvRouter", "LOGGED_CANDIDATES"]
 
@@ -42,10 +42,13 @@ class Decision:
 class KvRouter:
     """Chooses a worker for a prompt from the registry's live workers and the KV index."""
 
-    def __init__(self, registry: Registry, weights: Weights, rng: random.Random | None = None) -> None:
+    def __init__(self, registry: Registry, weights: Weights, rng: random.Random | None = None,
+                 mode: str = "kv") -> None:
         self.registry = registry
         self.weights = weights
         self.rng = rng or random.Random()
+        self.mode = mode
+        """"kv", or a baseline ("round-robin", "random": ``scoring.choose_blind``) to measure it against."""
         self.routes = 0
 
     def route(self, model: str, hashes: Sequence[int], block_size: int, prompt_tokens: int,
@@ -88,7 +91,8 @@ class KvRouter:
         overlaps = self.registry.index.find_matches(hashes) if hashes else {}
         prompt_blocks = max(len(hashes), math.ceil(prompt_tokens / block_size))
         scored = score(prompt_blocks, overlaps, {wid: w.load for wid, w in matching.items()}, self.weights)
-        best = choose(scored, self.weights, self.rng)
+        best = choose(scored, self.weights, self.rng) if self.mode == "kv" else \
+            choose_blind(scored, self.mode, self.routes, self.rng)
         self.registry.record_routed(best.worker_id, hashes)
         self.routes += 1
         DECISIONS.labels(model, "yes" if best.overlap else "no").inc()

@@ -14,7 +14,10 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["Weights", "Scored", "score", "choose"]
+__all__ = ["MODES", "Weights", "Scored", "score", "choose", "choose_blind"]
+
+MODES = ("kv", "round-robin", "random")
+"""Router selection modes: the cost policy, and two baselines that ignore cache and load."""
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,16 @@ def choose(scored: list[Scored], w: Weights, rng: random.Random) -> Scored:
         return rng.choices(scored, weights=weights, k=1)[0]
     ties = [s for s in scored if s.cost == scored[0].cost]
     return rng.choice(ties)
+
+
+def choose_blind(scored: list[Scored], mode: str, turn: int, rng: random.Random) -> Scored:
+    """A baseline's pick, blind to cost: the ``turn``-th worker in worker-id order ("round-robin") or any one
+    ("random")."""
+    if not scored:
+        raise ValueError("no candidates")
+    ordered = sorted(scored, key=lambda s: s.worker_id)
+    if mode == "round-robin":
+        return ordered[turn % len(ordered)]
+    if mode == "random":
+        return rng.choice(ordered)
+    raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

@@ -40,6 +40,7 @@ def test_the_older_approx_ttl_names_keep_working() -> None:
     ({"sweep_seconds": -1.0}, "must be > 0"),
     ({"approx_ttl_seconds": 0.0}, "must be > 0"),
     ({"approx_max_blocks": 0}, "approx_max_blocks must be >= 1"),
+    ({"mode": "best"}, "mode must be one of kv, round-robin, random, got 'best'"),
 ])
 def test_bad_values_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -57,3 +58,10 @@ def test_describe_is_every_field() -> None:
     cfg = RouterConfig(port=0, seed=1)
     assert cfg.describe()["port"] == 0 and cfg.describe()["seed"] == 1
     assert set(cfg.describe()) == {o.field for o in RouterConfig.options()}
+
+
+def test_the_mode_flag_reaches_the_router() -> None:
+    from embedmesh.services.router.main import build
+
+    assert RouterConfig().mode == "kv"
+    assert build(RouterConfig.from_args(["--mode", "round-robin"], env={})).router.mode == "round-robin"

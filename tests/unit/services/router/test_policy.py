@@ -139,3 +139,14 @@ def test_workers_without_events_are_assumed_to_cache_what_was_routed_to_them() -
     assert first.overlap_blocks == 0
     again = r.route("m", [21, 22], 4, 8)
     assert again.worker_id == first.worker_id and again.overlap_blocks == 2
+
+
+def test_round_robin_and_random_modes_ignore_cache_and_load_but_report_the_overlap() -> None:
+    r = router()
+    r.mode = "round-robin"
+    picks = [r.route("m", [1, 2, 3, 4, 5], 4, 22) for _ in range(6)]
+    assert [d.worker_id for d in picks] == ["a", "b", "c", "a", "b", "c"]
+    assert [d.overlap_blocks for d in picks[:3]] == [2, 4, 5]
+    r = router()
+    r.mode = "random"
+    assert {r.route("m", [1, 2, 3, 4, 5], 4, 22).worker_id for _ in range(60)} == {"a", "b", "c"}

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from embedmesh.services.router.scoring import Weights, choose, score
+from embedmesh.services.router.scoring import Scored, Weights, choose, choose_blind, score
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,12 @@ def test_zero_temperature_always_cheapest_and_temperature_spreads() -> None:
     picks = Counter(choose(score(10, {"a": 10}, {"a": 0, "b": 0}, hot), hot, random.Random(i)).worker_id
                     for i in range(500))
     assert picks["b"] > 50 and picks["a"] > picks["b"]
+
+
+def test_choose_blind_takes_turns_in_worker_order_or_any_one() -> None:
+    scored = [Scored("b", 9, 0, 0.0), Scored("a", 0, 9, 9.0)]
+    rng = random.Random(0)
+    assert [choose_blind(scored, "round-robin", t, rng).worker_id for t in range(3)] == ["a", "b", "a"]
+    assert {choose_blind(scored, "random", 0, rng).worker_id for _ in range(40)} == {"a", "b"}
+    with pytest.raises(ValueError, match="mode must be one of kv, round-robin, random"):
+        choose_blind(scored, "best", 0, rng)
