@@ -138,10 +138,11 @@ print(sdk, out.get("traceparent", "")[:35])
 
 
 @pytest.mark.parametrize(("env", "records"), [
+    ({}, False),  # quiet by default: no line per request on stderr unless asked
     ({"EMBEDMESH_TRACE_CONSOLE": "0"}, False),
     ({"EMBEDMESH_TRACE_CONSOLE": "1"}, True),
     ({"EMBEDMESH_TRACE_CONSOLE": "0", "EMBEDMESH_TRACE_FILE": "{tmp}/spans.jsonl"}, True),
-], ids=["nothing exports", "console", "file"])
+], ids=["default", "nothing exports", "console", "file"])
 def test_spans_are_recorded_only_when_something_exports_them(tmp_path: Path, env: dict[str, str],
                                                               records: bool) -> None:
     import os
