@@ -7,6 +7,7 @@ CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
 .PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean fuzz soak
+.PHONY: image-sysdeps images images-default test-images
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -54,6 +55,23 @@ $(VLLM_VENV)/.complete: scripts/vllm_venv.sh
 	PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
 vllm-venv: $(VLLM_VENV)/.complete
 
+# Container images (docs/deployment.md), built by podman from nothing and tagged with pyproject.toml's version (the
+# manifests' tag): `make images` builds all four; `make test` builds the default set (services, worker-hf) and
+# runs tests/images against it. scripts/images.sh holds what is particular to a build host without registry access.
+IMAGES ?= services worker-hf worker-vllm worker-sglang
+image-sysdeps:
+	@for t in podman buildah runc debootstrap; do command -v $$t >/dev/null || missing=1; done; \
+	[[ -z "$$missing" ]] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		podman buildah runc debootstrap >/dev/null; }
+images: image-sysdeps
+	bash scripts/images.sh $(IMAGES)
+images-default: image-sysdeps
+	bash scripts/images.sh services worker-hf
+
+# The images' smoke tests: an image that is missing fails them (EMBEDMESH_REQUIRE_IMAGES lists the kinds).
+test-images: venv model
+	EMBEDMESH_REQUIRE_IMAGES="$(IMAGES)" $(PY) -m pytest tests/images
+
 # The TypeScript client, built from the same protos (npm registry packages, pinned by package-lock.json).
 ts-client: clients/typescript/dist/complete.js clients/typescript/dist/models.js
 
@@ -62,8 +80,8 @@ clients/typescript/dist/complete.js clients/typescript/dist/models.js &: clients
 		clients/typescript/package-lock.json clients/typescript/src/*.ts
 	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
 
-test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv
-	$(PY) -m pytest tests
+test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv images-default
+	EMBEDMESH_REQUIRE_IMAGES=1 $(PY) -m pytest tests
 
 test-unit: venv model
 	$(PY) -m pytest tests/unit

