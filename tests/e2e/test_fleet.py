@@ -6,10 +6,16 @@ router) and so answer sooner. Counts and ratios of one run, no wall-clock thresh
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
+import grpc
 import pytest
 
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from tests.support.fleet import (
     Result,
     Workload,
@@ -20,6 +26,7 @@ from tests.support.fleet import (
     wait_registered,
     worker_counters,
 )
+from tests.support.load import child_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -57,3 +64,68 @@ def test_kv_aware_routing_beats_round_robin_on_a_cache_bound_fleet() -> None:
     assert kv_counts["removed"] < rr_counts["removed"], "round robin should thrash the small caches"
     # The cache is what makes time to first token: the same requests wait less behind KV-aware routing.
     assert percentile([r.ttft for r in kv], .5) < percentile([r.ttft for r in rr], .5)
+
+
+def router_view(router: str) -> dict[str, int]:
+    """Worker address -> blocks the replica at ``router`` indexes for it."""
+    with grpc.insecure_channel(router) as ch:
+        workers = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=5).workers
+    return {w.registration.address: w.blocks for w in workers}
+
+
+def wait_converged(replicas: list[str], timeout: float = 60) -> dict[str, int]:
+    """Until every replica indexes the same blocks per worker (their views agree); that view."""
+    deadline = time.monotonic() + timeout
+    views: list[dict[str, int]] = []
+    while time.monotonic() < deadline:
+        views = [router_view(r) for r in replicas]
+        if len(views[0]) == WORKERS and all(v == views[0] for v in views):
+            return views[0]
+        time.sleep(0.3)
+    raise AssertionError(f"replica views differ: {views}")
+
+
+def test_a_killed_router_replica_costs_no_request_and_rebuilds_its_view_when_restarted() -> None:
+    """Three router replicas, each consuming every worker's events. One is SIGKILLed: the preprocessor routes
+    through the other two without a failed request and the hit rate holds; restarted on its port, it gets every
+    worker's snapshot again (workers re-register with backoff) and its view equals the others'."""
+    mesh = start_fleet(WORKERS, "kv", replicas=3)
+    replicas = [str(r) for r in mesh.extra["routers"]]  # type: ignore[attr-defined]
+    w = WORKLOAD
+    best = (w.per_group - 1) / w.per_group * w.prefix_tokens // 16 * 16 / (w.prefix_tokens + w.suffix_tokens)
+
+    def workload(salt: int) -> float:
+        first, rest = w.waves(salt)
+        before = worker_counters(mesh, WORKERS)
+        results = drive(mesh.base_url, "mocker", first, w.max_tokens, 8)
+        time.sleep(0.5)
+        results += drive(mesh.base_url, "mocker", rest, w.max_tokens, 8)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+        return hit_rate(before, worker_counters(mesh, WORKERS))
+
+    try:
+        for r in replicas:
+            wait_registered(r, WORKERS)
+        healthy = workload(0)
+        view = wait_converged(replicas)
+        assert sum(view.values()) > 0
+        os.kill(child_pid(mesh, "router-1"), signal.SIGKILL)
+        degraded = workload(1)  # every request succeeds through the two left
+        host, port = replicas[1].rsplit(":", 1)
+        restarted = subprocess.Popen([sys.executable, "-m", "embedmesh.services.router.main", "--host", host,
+                                      "--port", port], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "EMBEDMESH_DRAIN_GRACE_SECONDS": "1"})
+        try:
+            wait_registered(replicas[1], WORKERS)
+            view = wait_converged(replicas)  # the snapshots rebuilt the restarted replica's index
+            assert sum(view.values()) > 0
+            after = workload(2)
+            wait_converged(replicas)
+        finally:
+            restarted.send_signal(signal.SIGTERM)
+            restarted.wait(30)
+        print(f"\nhit rate with 3 replicas {healthy:.3f}, one killed {degraded:.3f}, restarted {after:.3f} "
+              f"(best {best:.3f})")
+        assert min(healthy, degraded, after) >= 0.9 * best
+    finally:
+        mesh.stop()
