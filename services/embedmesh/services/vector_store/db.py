@@ -35,6 +35,8 @@ class Database:
         """The SQLite file (readers open it too); empty for PostgreSQL and in-memory databases."""
         self._readers: list[Database] = []
         self._readers_lock = threading.Lock()
+        self._dsn = ""
+        """PostgreSQL: where ``run`` connects again once the connection is lost (a restart, a network cut)."""
 
     @classmethod
     def sqlite(cls, path: str) -> Database:
@@ -70,7 +72,9 @@ class Database:
     def postgres(cls, dsn: str) -> Database:
         import psycopg
 
-        return cls("postgres", psycopg.connect(dsn, autocommit=True))
+        db = cls("postgres", psycopg.connect(dsn, autocommit=True))
+        db._dsn = dsn
+        return db
 
     def _sql(self, sql: str) -> str:
         return sql.replace("?", "%s") if self.dialect == "postgres" else sql
@@ -128,7 +132,17 @@ class Database:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         if self._pool is None:
             raise RuntimeError("a reader runs its statements on its own thread, not through run")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._on_live_connection, fn, *args)
+
+    def _on_live_connection(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` (on the database thread); a PostgreSQL connection found closed (the server restarted, the
+        network dropped it) is opened again first. The statement that found it broken has failed already, and its
+        caller decides whether to retry; without this every later statement would fail too, for good."""
+        if self._dsn and self._conn.closed:
+            import psycopg
+
+            self._conn = psycopg.connect(self._dsn, autocommit=True)
+        return fn(*args)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,6 +34,14 @@ __all__ = ["Ingestor"]
 
 log = get_logger(__name__)
 
+try:
+    from psycopg import OperationalError as _PgOperationalError
+
+    _CONNECTION_LOST: tuple[type[Exception], ...] = (_PgOperationalError,)
+    """PostgreSQL's "connection lost / refused" family (a server restart, a network cut): retried per file."""
+except ImportError:  # the embedded backend alone
+    _CONNECTION_LOST = ()
+
 
 
 SPECIAL_TOKENS = 2
@@ -125,7 +133,25 @@ class Ingestor:
         raise AssertionError("unreachable")
 
     async def _run(self, p: PendingFile) -> str:
-        """Ingest one store file; returns how it ended: "completed", "failed" or "cancelled"."""
+        """Ingest one store file; returns how it ended: "completed", "failed" or "cancelled".
+
+        A database connection lost on the way (PostgreSQL restarted or out of reach) is not the file's fault: the
+        file is tried again from its start, ``retries`` times with backoff, on a new connection (``Database.run``
+        opens one). Its chunks are committed only at the end, all at once, so nothing is stored twice. Past the
+        retries the error ends the task and the file stays ``in_progress`` (``requeue`` picks it up at the next
+        start): marking it failed needs the database that is missing."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await self._run_once(p)
+            except _CONNECTION_LOST as e:
+                if attempt == self.retries:
+                    raise
+                log.warning("database connection lost while ingesting; trying the file again",
+                            extra={"store": p.store_id, "file": p.file_id, "error": type(e).__name__})
+                await asyncio.sleep(self.retry_delay * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _run_once(self, p: PendingFile) -> str:
         async with self._sem:
             db = self.store.db
             t0 = time.perf_counter()
@@ -167,6 +193,8 @@ class Ingestor:
             except asyncio.CancelledError:
                 log.info("ingest cancelled", extra={"store": p.store_id, "file": p.file_id})
                 raise
+            except _CONNECTION_LOST:
+                raise  # _run tries the file again; recording a failure would need the lost connection
             except InvalidArgument as e:
                 failed = await db.run(self.store.fail, p, "invalid_file", e.message)
                 log.warning("ingest failed", extra={"store": p.store_id, "file": p.file_id, "error": e.message})

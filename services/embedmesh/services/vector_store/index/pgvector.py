@@ -49,7 +49,7 @@ class PgVectorIndex(VectorIndex):
 
     def _conn(self) -> Any:
         conn = getattr(self._local, "conn", None)
-        if conn is None:
+        if conn is None or conn.closed:  # closed: lost with a server restart; connect again
             import psycopg
 
             conn = psycopg.connect(self.dsn, autocommit=True)
