@@ -11,6 +11,7 @@ tests.hosts.probe ...``), never in the root one. Every loop here is bounded in t
                                                           fallbacks, each encoder cache's L2 tier, Envoy's hosts
     ingest   --url U --ca C --files N --out F              upload N files and add them to a new vector store
     ingested --url U --ca C --state F --timeout S          wait until every file of that store is done; print counts
+    pg-chunks --dsn D --store S                           per file: chunk rows, distinct positions, recorded total
     redis    --addr H:P                                    DBSIZE
 """
 
@@ -249,6 +250,8 @@ def _openai(a: argparse.Namespace) -> Any:
 
 
 def cmd_ingest(a: argparse.Namespace) -> int:
+    import openai
+
     client = _openai(a)
     store = client.vector_stores.create(name="multihost")
     ids = []
@@ -258,10 +261,21 @@ def cmd_ingest(a: argparse.Namespace) -> int:
                            for p in range(a.paragraphs))
         ids.append(client.files.create(file=(f"doc-{i}.txt", text.encode()), purpose="assistants").id)
     t_attach = time.time()
+    Path(a.out + ".uploaded").write_text(json.dumps({"store": store.id, "files": ids, "t_attach": t_attach}))
+    errors: list[str] = []
     for fid in ids:
-        client.vector_stores.files.create(vector_store_id=store.id, file_id=fid)
+        # A client retries what the store could not do (a 5xx): adding a file twice must not ingest it twice.
+        for attempt in range(10):
+            try:
+                client.vector_stores.files.create(vector_store_id=store.id, file_id=fid)
+                break
+            except openai.APIStatusError as e:
+                errors.append(f"{e.status_code} {str(e)[:160]}")
+                if e.status_code < 500 or attempt == 9:
+                    raise
+                time.sleep(1)
     Path(a.out).write_text(json.dumps({"store": store.id, "files": ids, "t_attach": t_attach,
-                                       "t_attached": time.time()}))
+                                       "t_attached": time.time(), "errors": errors}))
     return 0
 
 
@@ -285,6 +299,21 @@ def cmd_ingested(a: argparse.Namespace) -> int:
                                   "error": f.last_error.message if f.last_error else ""} for f in listed],
                       "file_counts": store.file_counts.model_dump(), "t_done": time.time(),
                       "errors": errors[-5:]}))
+    return 0
+
+
+def cmd_pg_chunks(a: argparse.Namespace) -> int:
+    """Per file of the store: chunk rows, distinct chunk positions, and the chunk count its ingestion recorded."""
+    import psycopg
+
+    with psycopg.connect(a.dsn, connect_timeout=10) as conn:
+        rows = conn.execute(
+            "SELECT f.file_id, f.chunks_total, count(c.id), count(DISTINCT c.seq) FROM vs_store_files f "
+            "LEFT JOIN vs_chunks c ON c.store_id = f.store_id AND c.file_id = f.file_id WHERE f.store_id = %s "
+            "GROUP BY f.file_id, f.chunks_total", (a.store,)).fetchall()
+        store_rows = conn.execute("SELECT count(*) FROM vs_store_files WHERE store_id = %s", (a.store,)).fetchone()
+    print(json.dumps({"files": {r[0]: {"chunks_total": r[1], "rows": r[2], "distinct": r[3]} for r in rows},
+                      "store_file_rows": store_rows[0] if store_rows else 0}))
     return 0
 
 
@@ -337,11 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ca", required=True)
     g.add_argument("--state", required=True)
     g.add_argument("--timeout", type=float, default=180)
+    c = sub.add_parser("pg-chunks")
+    c.add_argument("--dsn", required=True)
+    c.add_argument("--store", required=True)
     r = sub.add_parser("redis")
     r.add_argument("--addr", required=True)
     a = p.parse_args(argv)
     return {"health": cmd_health, "load": cmd_load, "monitor": cmd_monitor, "ingest": cmd_ingest,
-            "ingested": cmd_ingested, "redis": cmd_redis}[a.cmd](a)
+            "ingested": cmd_ingested, "pg-chunks": cmd_pg_chunks, "redis": cmd_redis}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.hosts.conftest import PREPROCESSORS, WORKERS, Figure, Mesh, addr
+from tests.hosts.conftest import ADDR, PREPROCESSORS, ROUTERS, WORKERS, Figure, Mesh, addr, pg_ctl
 
 pytestmark = pytest.mark.e2e
 
@@ -163,3 +163,142 @@ def test_preprocessor_replica_killed_under_load_behind_envoy(mesh: Mesh) -> None
     sent_during = [int(p2_state(s).get("rq_total") or 0) for s in snaps if t_kill + detect < s["t"] < t_restart]
     assert sent_during and max(sent_during) == sent_at_mark, "Envoy sent requests to the failed replica"
     assert recover is not None and recover <= RECOVER_BOUND_S, p2_state(snaps[-1])
+
+
+def test_router_hosts_partitioned_then_healed(mesh: Mesh) -> None:
+    """r1 is partitioned away for 20 s, r2 too for the last 12 of them: with one router left the preprocessors ask
+    the other; with none they fall back to their own worker pools (requests keep being served); healed, the workers
+    re-register with both routers and routing converges again (no more fallbacks)."""
+    mesh.wait_settled()
+    want = sorted(addr(h, p) for h, p in WORKERS.values())
+    load = _run_load(mesh, "load-router", 50, "--max-tokens", "8")
+    mon = _run_monitor(mesh, "mon-router", 65)
+    t_r1 = time.time() + 8
+    _sleep_until(t_r1)
+    mesh.hosts.link(ROUTERS["router-0"], "down")
+    t_r2 = t_r1 + 8
+    _sleep_until(t_r2)
+    mesh.hosts.link(ROUTERS["router-1"], "down")
+    t_heal = t_r1 + 20
+    _sleep_until(t_heal)
+    mesh.hosts.link(ROUTERS["router-0"], "up")
+    mesh.hosts.link(ROUTERS["router-1"], "up")
+    mesh.wait_probe("load-router", 50 + 90 + 60)
+    mesh.wait_probe("mon-router", 60)
+    recs, snaps = _records(load), _records(mon)
+
+    def fallbacks(s: dict[str, Any]) -> float:
+        return float(sum(v or 0 for v in s["fallbacks"].values()))
+
+    at_r2 = max((fallbacks(s) for s in snaps if s["t"] < t_r2), default=0.0)
+    detect = _first(snaps, t_r2, lambda s: fallbacks(s) > at_r2)
+    end_load = max(r["t1"] for r in recs)
+    final = max(fallbacks(s) for s in snaps if s["t"] <= end_load + 2)
+    recover = _first(snaps, t_heal, lambda s: all(v == want for v in s["routers"].values())
+                     and fallbacks(s) >= final)
+    failed = [r for r in recs if not r["ok"]]
+    one_down = [r for r in recs if t_r1 <= r["t0"] < t_r2]
+    both_down = [r for r in recs if t_r2 <= r["t0"] < t_heal]
+    mesh.figures.append(Figure(
+        "router hosts: r1 partitioned 20 s, r2 too for the last 12 s, then both healed", len(recs), len(failed),
+        detect, recover, "preprocessors fall back to their own pools (fallback counter rises) once both are away",
+        "both routers list all 3 workers again and no request falls back any more",
+        f"{len(one_down)} requests with r1 away (r2 answered), {len(both_down)} with both away "
+        f"({final - at_r2:.0f} fallbacks); 8-token streams"))
+
+    assert not failed, _failures(recs)  # routing is advice: no request fails because no router answers
+    assert len(one_down) >= CONCURRENCY and len(both_down) >= CONCURRENCY
+    assert detect is not None and detect <= DETECT_BOUND_S, snaps[-1]
+    assert recover is not None and recover <= RECOVER_BOUND_S, snaps[-1]
+    converged = [r for r in recs if r["t0"] >= t_heal + recover]
+    assert len(converged) >= CONCURRENCY, "the load went on after routing converged"
+
+
+def test_redis_restarted_under_load(mesh: Mesh) -> None:
+    """Redis (the encoder cache's shared L2, on the data host) is stopped and started again, empty, while
+    prompt_embeds requests run through both preprocessors: no request fails, both stop using L2 while it is away
+    and use it again (hits) once it is back."""
+    mesh.wait_settled()
+    caches = [addr(h, 50051) for h in PREPROCESSORS.values()]
+    load = _run_load(mesh, "load-redis", 45, "--max-tokens", "4", "--embeds")
+    mon = _run_monitor(mesh, "mon-redis", 55)
+    t_stop = time.time() + 12
+    _sleep_until(t_stop)
+    mesh.hosts.kill("redis", signal.SIGTERM)
+    t_start = t_stop + 8
+    _sleep_until(t_start)
+    mesh.hosts.restart("redis")
+    mesh.wait_probe("load-redis", 45 + 90 + 60)
+    mesh.wait_probe("mon-redis", 60)
+    recs, snaps = _records(load), _records(mon)
+    cached = [s for s in snaps if all(s["caches"].get(c) for c in caches)]
+    hits_at_start = sum(max((s["caches"][c]["hits"] for s in cached if s["t"] < t_start), default=0)
+                        for c in caches)
+    assert all(s["caches"][c]["available"] for s in cached if s["t"] < t_stop - 1 for c in caches)
+    detect = _first(cached, t_stop, lambda s: not any(s["caches"][c]["available"] for c in caches))
+    recover = _first(cached, t_start, lambda s: all(s["caches"][c]["available"] for c in caches)
+                     and sum(s["caches"][c]["hits"] for c in caches) > hits_at_start)
+    keys = int(mesh.probe("redis", "--addr", addr("data", 6379)).strip())
+    failed = [r for r in recs if not r["ok"]]
+    away = [r for r in recs if t_stop <= r["t0"] < t_start]
+    mesh.figures.append(Figure(
+        "Redis (encoder cache L2) stopped under prompt_embeds load, started again empty 8 s later", len(recs),
+        len(failed), detect, recover, "both preprocessors report L2 unavailable",
+        "both report L2 available, and hits come from it again",
+        f"{len(away)} requests while Redis was away; {keys} keys in Redis at the end; 24-row prompt_embeds, "
+        "preprocessor L1 256 KiB"))
+
+    assert not failed, _failures(recs)  # the cache is a cache: its loss fails nothing
+    assert len(away) >= CONCURRENCY
+    assert detect is not None and detect <= DETECT_BOUND_S, snaps[-1]
+    assert recover is not None and recover <= RECOVER_BOUND_S, snaps[-1]
+    assert keys > 0, "the mesh writes to Redis again"
+
+
+def test_postgres_restarted_while_files_are_ingested(mesh: Mesh) -> None:
+    """PostgreSQL (the vector store's pgvector backend, on the data host) restarts while files are being added to a
+    vector store: every file ends completed, listed once, with each chunk stored once."""
+    files = 12
+    state = mesh.work / "ingest.json"
+    mesh.start_probe("ingest", "ingest", "--url", mesh.url, "--ca", mesh.ca, "--files", str(files),
+                     "--paragraphs", "2", "--out", str(state))
+    uploaded = Path(f"{state}.uploaded")
+    deadline = time.monotonic() + 120
+    while not uploaded.exists() and time.monotonic() < deadline and mesh.hosts.procs["ingest"].alive():
+        time.sleep(0.2)
+    assert uploaded.exists(), mesh.hosts.procs["ingest"].tail()
+    time.sleep(1.0)  # some files attached and being ingested, more on their way
+    t_stop = time.time()
+    pg_ctl(mesh, "stop", "-m", "fast")
+    time.sleep(3)
+    pg_ctl(mesh, "start")
+    t_start = time.time()
+    mesh.wait_probe("ingest", 180)
+    info = json.loads(state.read_text())
+    out = json.loads(mesh.probe("ingested", "--url", mesh.url, "--ca", mesh.ca, "--state", str(state),
+                                "--timeout", "180", timeout=240))
+    chunks = json.loads(mesh.probe("pg-chunks", "--dsn", f"host={ADDR['data']} port=5432 user=postgres "
+                                   "dbname=postgres", "--store", info["store"]))
+    listed = [f["id"] for f in out["listed"]]
+    done = [f for f in out["listed"] if f["status"] == "completed"]
+    doubled = {fid: c for fid, c in chunks["files"].items() if c["rows"] != c["distinct"]}
+    incomplete = {fid: c for fid, c in chunks["files"].items() if c["rows"] != c["chunks_total"]}
+    ingest_end = out["t_done"]
+    vs_log = mesh.hosts.procs["vector-store"].log.read_text(errors="replace")
+    retried = vs_log.count("database connection lost while ingesting; trying the file again")
+    mesh.figures.append(Figure(
+        f"PostgreSQL stopped (fast) while {files} files were being added to a vector store, started 3 s later",
+        files + len(info["errors"]), files - len(done) + len(info["errors"]), None, ingest_end - t_start,
+        "not applicable: the store has one database", "every file ingested (seconds from the restart)",
+        f"{retried} ingestions found the connection lost and started their file again; "
+        f"{len(info['errors'])} attach requests answered 5xx and were retried by the client; "
+        f"attach began {t_stop - info['t_attach']:.1f} s before the stop; {len(set(listed))} files listed, "
+        f"{len(listed) - len(set(listed))} twice; {sum(c['rows'] for c in chunks['files'].values())} chunk rows, "
+        f"{len(doubled)} files with a chunk stored twice; vector store errors while PostgreSQL was away: "
+        f"{'; '.join(out['errors'][:2]) or 'none'}"))
+
+    assert retried >= 1, "the restart did not meet an ingestion in flight"
+    assert sorted(listed) == sorted(info["files"]), "a file was lost or listed twice"
+    assert chunks["store_file_rows"] == files
+    assert len(done) == files, [f for f in out["listed"] if f["status"] != "completed"]
+    assert not doubled and not incomplete, (doubled, incomplete)
