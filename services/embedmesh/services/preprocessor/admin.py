@@ -109,6 +109,24 @@ class MeshAdmin:
     async def load_adapter(self, name: str, path: str, workers: Sequence[str]) -> tuple[list[str], bool]:
         """Load ``name`` from ``path`` on every generative worker (or those named): their names, and whether any
         loaded it now. A failure on one undoes the loads this call made, then is reported."""
+        self._check_new_adapter(name, path)
+        targets = self._adapter_targets(workers)
+        held = self.pool.adapters().get(name)
+        if held is not None and any(w.info is not None and w.info.model != held[0] for w in targets):
+            raise InvalidArgument(f"lora_name {name!r} is already loaded for model {held[0]!r}",
+                                  field="lora_name", reason="NAME_TAKEN")
+        req = worker_pb2.LoadLoraAdapterRequest(name=name, path=path)
+        results = await asyncio.gather(*(w.stub.LoadLoraAdapter(req, timeout=300) for w in targets),
+                                       return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await self._undo_loads(name, targets, results)
+            raise _lora_error(failed)
+        await asyncio.gather(*(self.pool.refresh_adapters(w) for w in targets))
+        return [w.name for w in targets], any(r.loaded for r in results)  # type: ignore[union-attr]
+
+    def _check_new_adapter(self, name: str, path: str) -> None:
+        """A name an adapter may take (printable, no spaces, not a served model's) and a path."""
         if not name or len(name) > 256 or any(c.isspace() or not c.isprintable() for c in name):
             raise InvalidArgument("lora_name is required: a name without spaces (at most 256 characters)",
                                   field="lora_name", reason="INVALID_NAME")
@@ -117,6 +135,9 @@ class MeshAdmin:
         if name in self.pool.models():
             raise InvalidArgument(f"lora_name {name!r} is the name of a served model", field="lora_name",
                                   reason="NAME_TAKEN")
+
+    def _adapter_targets(self, workers: Sequence[str]) -> list[WorkerHandle]:
+        """The serving generative workers, or those of ``workers`` (each must be one); at least one."""
         targets = [w for w in self.pool.workers
                    if w.healthy and w.info is not None and w.info.task != worker_pb2.MODEL_TASK_EMBED]
         if workers:
@@ -129,23 +150,14 @@ class MeshAdmin:
         if not targets:
             raise Unavailable("no generative worker is serving; retry shortly", reason="NO_HEALTHY_WORKER",
                               retry_after_seconds=1.0)
-        held = self.pool.adapters().get(name)
-        if held is not None and any(w.info is not None and w.info.model != held[0] for w in targets):
-            raise InvalidArgument(f"lora_name {name!r} is already loaded for model {held[0]!r}",
-                                  field="lora_name", reason="NAME_TAKEN")
-        req = worker_pb2.LoadLoraAdapterRequest(name=name, path=path)
-        results = await asyncio.gather(*(w.stub.LoadLoraAdapter(req, timeout=300) for w in targets),
-                                       return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            # Nothing half-loaded: undo the loads this call made, then report the first failure.
-            undo = [w for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException) and r.loaded]
-            await asyncio.gather(*(w.stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name=name),
-                                                            timeout=60) for w in undo), return_exceptions=True)
-            await asyncio.gather(*(self.pool.refresh_adapters(w) for w in targets))
-            raise _lora_error(failed)
+        return targets
+
+    async def _undo_loads(self, name: str, targets: list[WorkerHandle], results: Sequence[Any]) -> None:
+        """Nothing half-loaded: unload ``name`` where this call loaded it, then read every target's adapters."""
+        undo = [w for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException) and r.loaded]
+        await asyncio.gather(*(w.stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(name=name),
+                                                        timeout=60) for w in undo), return_exceptions=True)
         await asyncio.gather(*(self.pool.refresh_adapters(w) for w in targets))
-        return [w.name for w in targets], any(r.loaded for r in results)  # type: ignore[union-attr]
 
     async def unload_adapter(self, name: str) -> list[str]:
         """Unload ``name`` wherever it is held: the names of the workers that unloaded it now."""
