@@ -162,25 +162,27 @@ async def _events(call: Any, first: Any, created: int, shape: _Shape, include_us
                                               "finish_reason": None, "logprobs": None}], **tail})
                 has_lps = shape.logprobs and (len(ev.logprobs) or (shape.echo and len(ev.prompt_logprobs)))
                 if ev.text or finish is not None or has_lps or len(ev.tool_calls):
-                    if chat:
-                        delta: dict[str, Any] = {"content": ev.text} if ev.text else {}
-                        if len(ev.tool_calls):
-                            delta["tool_calls"] = [{"index": j, **call}
-                                                   for j, call in enumerate(_tool_calls(ev.tool_calls))]
-                        choice = {"index": index, "delta": delta, "finish_reason": finish,
-                                  "logprobs": _chat_logprobs(shape, ev.logprobs) if has_lps else None}
-                    else:
-                        choice = {"index": index, "text": ev.text, "finish_reason": finish,
-                                  "logprobs": _completion_logprobs(shape, index, ev.prompt_logprobs, ev.logprobs)
-                                  if has_lps else None}
-                        if shape.prompt_logprobs and len(ev.prompt_logprobs):
-                            choice["prompt_logprobs"] = _vllm_prompt_logprobs(ev.prompt_logprobs)
                     yield event({"id": rid, "object": obj, "created": created, "model": ev.model,
-                                 "choices": [choice], **tail})
+                                 "choices": [_chunk_choice(ev, finish, shape, bool(has_lps))], **tail})
             ev = await call.read()
     except grpc.aio.AioRpcError as e:
         yield event(from_grpc(e).body())
     yield DONE
+
+
+def _chunk_choice(ev: Any, finish: str | None, shape: _Shape, has_lps: bool) -> dict[str, Any]:
+    """One delta's choice in a chunk: a chat ``delta`` (content, tool calls) or a completion's ``text``."""
+    if shape.chat:
+        delta: dict[str, Any] = {"content": ev.text} if ev.text else {}
+        if len(ev.tool_calls):
+            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(_tool_calls(ev.tool_calls))]
+        return {"index": ev.index, "delta": delta, "finish_reason": finish,
+                "logprobs": _chat_logprobs(shape, ev.logprobs) if has_lps else None}
+    choice = {"index": ev.index, "text": ev.text, "finish_reason": finish,
+              "logprobs": _completion_logprobs(shape, ev.index, ev.prompt_logprobs, ev.logprobs) if has_lps else None}
+    if shape.prompt_logprobs and len(ev.prompt_logprobs):
+        choice["prompt_logprobs"] = _vllm_prompt_logprobs(ev.prompt_logprobs)
+    return choice
 
 
 def routes(gw: Gateway) -> list[Route]:

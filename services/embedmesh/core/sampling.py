@@ -164,19 +164,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, allow_zero_max_tokens: 
     if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", field="prompt_logprobs",
                               reason="OUT_OF_RANGE")
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidArgument(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", field="logit_bias",
-                              reason="TOO_MANY")
-    bias = []
-    for token, value in sorted(p.logit_bias.items()):
-        if token < 0:
-            raise InvalidArgument(f"logit_bias: token id {token} is negative", field="logit_bias",
-                                  reason="INVALID_TOKEN_ID")
-        if not math.isfinite(value) or not LOGIT_BIAS_MIN <= value <= LOGIT_BIAS_MAX:
-            raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [{LOGIT_BIAS_MIN:g}, "
-                                  f"{LOGIT_BIAS_MAX:g}]",
-                                  field="logit_bias", reason="OUT_OF_RANGE")
-        bias.append((int(token), float(value)))
+    bias = _logit_bias(p)
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),
@@ -194,6 +182,24 @@ def sampling_from_proto(p: common_pb2.SamplingParams, *, allow_zero_max_tokens: 
         structured=_structured(p),
         min_tokens=int(p.min_tokens) if p.HasField("min_tokens") else 0,
     )
+
+
+def _logit_bias(p: common_pb2.SamplingParams) -> list[tuple[int, float]]:
+    """``logit_bias`` checked (entries, ids, range) as sorted (token id, bias) pairs."""
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries", field="logit_bias",
+                              reason="TOO_MANY")
+    bias = []
+    for token, value in sorted(p.logit_bias.items()):
+        if token < 0:
+            raise InvalidArgument(f"logit_bias: token id {token} is negative", field="logit_bias",
+                                  reason="INVALID_TOKEN_ID")
+        if not math.isfinite(value) or not LOGIT_BIAS_MIN <= value <= LOGIT_BIAS_MAX:
+            raise InvalidArgument(f"logit_bias: the bias of token {token} must be in [{LOGIT_BIAS_MIN:g}, "
+                                  f"{LOGIT_BIAS_MAX:g}]",
+                                  field="logit_bias", reason="OUT_OF_RANGE")
+        bias.append((int(token), float(value)))
+    return bias
 
 
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
