@@ -127,3 +127,22 @@ def test_no_function_is_more_complex_than_25() -> None:
     assert not complex_, f"simplify these functions (cyclomatic complexity at most {MAX_COMPLEXITY}): {complex_}"
     assert set(COMPLEX_FUNCTIONS) <= set(found), "COMPLEX_FUNCTIONS names a function that is gone"
 
+
+
+def _imports(module: Path) -> set[str]:
+    tree = ast.parse(module.read_text(), filename=str(module))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_the_preprocessor_and_the_gateway_import_nothing_of_the_worker() -> None:
+    # Rules both sides apply live in core/ (core/model_rules.py, core/embeds.py, core/sampling.py).
+    rooms = [TREES[0] / "services" / "preprocessor", TREES[1]]
+    found = {str(m.relative_to(ROOT)): sorted(n for n in _imports(m) if n.startswith("embedmesh.services.worker"))
+             for room in rooms for m in room.rglob("*.py")}
+    assert not {m: names for m, names in found.items() if names}

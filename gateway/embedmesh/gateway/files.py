@@ -27,7 +27,8 @@ from starlette.routing import Route
 
 from embedmesh.gateway.context import Gateway, too_large
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
-from embedmesh.gateway.vector_stores import VectorStoreClient, json_response, list_json, page_request
+from embedmesh.gateway.paging import list_json, page_request
+from embedmesh.gateway.vector_store_client import VectorStoreClient, json_response
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 
 __all__ = ["routes"]

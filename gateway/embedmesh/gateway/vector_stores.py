@@ -13,23 +13,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import grpc
-import orjson
 from msgspec import UNSET, Meta, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.gateway.auth import forwarding_channel
 from embedmesh.gateway.context import Gateway
-from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
+from embedmesh.gateway.errors import bad_request
+from embedmesh.gateway.paging import list_json, page_request
 from embedmesh.gateway.requests import Model, Refusal, Say, parse, parse_item
+from embedmesh.gateway.vector_store_client import VectorStoreClient, json_response
 from embedmesh.services.vector_store.filters import check_json_limits
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
-from embedmesh.vectorstore.v1 import vectorstore_pb2_grpc
 
 __all__ = ["routes", "VectorStoreClient", "page_request", "list_json", "json_response"]
+"""``VectorStoreClient`` and ``json_response`` are ``vector_store_client.py``'s, ``page_request`` and ``list_json``
+``paging.py``'s: imported here for the routes below and for app.py."""
 
 _STATUS = {pb.FILE_STATUS_IN_PROGRESS: "in_progress", pb.FILE_STATUS_COMPLETED: "completed",
            pb.FILE_STATUS_FAILED: "failed", pb.FILE_STATUS_CANCELLED: "cancelled"}
@@ -40,33 +40,6 @@ _CMP = {"eq": pb.COMPARISON_OPERATOR_EQ, "ne": pb.COMPARISON_OPERATOR_NE, "gt": 
         "gte": pb.COMPARISON_OPERATOR_GTE, "lt": pb.COMPARISON_OPERATOR_LT, "lte": pb.COMPARISON_OPERATOR_LTE,
         "in": pb.COMPARISON_OPERATOR_IN, "nin": pb.COMPARISON_OPERATOR_NIN}
 _COMPOUND = {"and": pb.COMPOUND_OPERATOR_AND, "or": pb.COMPOUND_OPERATOR_OR}
-
-
-class VectorStoreClient:
-    """The gateway's channel to the vector store (opened on first use, from ``config.vector_store``)."""
-
-    def __init__(self, gateway: Any) -> None:
-        self.gateway = gateway
-        self._stub: vectorstore_pb2_grpc.VectorStoreServiceStub | None = None
-
-    @property
-    def timeout(self) -> float:
-        return float(self.gateway.config.request_timeout_seconds)
-
-    def stub(self) -> vectorstore_pb2_grpc.VectorStoreServiceStub:
-        if self._stub is None:
-            address = getattr(self.gateway.config, "vector_store", "")
-            if not address:
-                raise ApiError(501, "the vector store is not configured on this gateway (--vector-store)",
-                               code="not_implemented", type_="not_implemented_error")
-            self._stub = vectorstore_pb2_grpc.VectorStoreServiceStub(forwarding_channel(address))
-        return self._stub
-
-    async def call(self, method: str, request: Any) -> Any:
-        try:
-            return await getattr(self.stub(), method)(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e) from None
 
 
 # --- JSON -> protobuf: the bodies as request models (requests/) -------------------------------------------------------
@@ -304,24 +277,6 @@ class Search(Model, kw_only=True):
     checks = {"filters": _check_filters}
 
 
-def page_request(request: Request, *, before: bool = True) -> pb.PageRequest:
-    q = request.query_params
-    page = pb.PageRequest(after=q.get("after", ""), before=q.get("before", "") if before else "")
-    if "limit" in q:
-        try:
-            limit = int(q["limit"])
-        except ValueError:
-            raise bad_request("limit", f"must be an integer, got {q['limit']!r}", "invalid_type") from None
-        if not 0 <= limit < 2**32:  # 0 = the service's default; above 100 the service refuses it by name
-            raise bad_request("limit", "must be in [1, 100]", "invalid_value")
-        page.limit = limit
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order", f"must be 'asc' or 'desc', got {order!r}", "invalid_value")
-    page.order = pb.SORT_ORDER_ASC if order == "asc" else pb.SORT_ORDER_DESC
-    return page
-
-
 def _status_filter(request: Request) -> int:
     f = request.query_params.get("filter")
     if f is None:
@@ -369,15 +324,6 @@ def store_file_json(f: pb.VectorStoreFile) -> dict[str, Any]:
 def batch_json(b: pb.VectorStoreFileBatch) -> dict[str, Any]:
     return {"id": b.id, "object": "vector_store.files_batch", "created_at": b.created_at,
             "vector_store_id": b.vector_store_id, "status": _STATUS[b.status], "file_counts": _counts(b.file_counts)}
-
-
-def list_json(data: list[dict[str, Any]], page: pb.PageInfo) -> dict[str, Any]:
-    return {"object": "list", "data": data, "first_id": page.first_id or None, "last_id": page.last_id or None,
-            "has_more": page.has_more}
-
-
-def json_response(obj: Any) -> Response:
-    return Response(orjson.dumps(obj), media_type="application/json")
 
 
 # --- routes -------------------------------------------------------------------------------------------------------

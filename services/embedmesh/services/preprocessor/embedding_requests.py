@@ -31,6 +31,7 @@ import numpy as np
 
 from embedmesh.core import tensors
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, from_rpc_error
+from embedmesh.core.model_rules import check_dimensions
 from embedmesh.services.encoder_cache.keys import validated_key
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
 from embedmesh.services.preprocessor.workers import WorkerPool
@@ -89,16 +90,7 @@ def validate_inputs(inputs: Sequence[Input], dimensions: int | None, spec: Embed
         if spec.max_tokens and len(item) > spec.max_tokens:
             raise InvalidArgument(f"{name}: {len(item)} tokens; {spec.name} accepts at most {spec.max_tokens} per "
                                   "input (inputs are never truncated)", field=name, reason="INPUT_TOO_LONG")
-    if dimensions is None or dimensions == spec.embedding_size:
-        return None
-    if not 1 <= dimensions <= spec.embedding_size:
-        raise InvalidArgument(f"dimensions: must be between 1 and {spec.embedding_size} for {spec.name}, got "
-                              f"{dimensions}", field="dimensions", reason="OUT_OF_RANGE")
-    if not spec.supports_dimensions:
-        raise InvalidArgument(f"dimensions: {spec.name} was not trained for shortened vectors (not Matryoshka); "
-                              f"omit dimensions or pass {spec.embedding_size}", field="dimensions",
-                              reason="DIMENSIONS_UNSUPPORTED")
-    return dimensions
+    return check_dimensions(dimensions, spec.name, spec.embedding_size, spec.supports_dimensions)
 
 
 def cache_key(model: str, dimensions: int | None, item: Input) -> str:

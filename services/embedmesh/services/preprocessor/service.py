@@ -31,6 +31,7 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.core.auth import current_principal, limiter
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.model_rules import check_sampling_for_model
 from embedmesh.core.sampling import SamplingParams, Structured, sampling_from_proto
 from embedmesh.core.structured import check_structured
 from embedmesh.inference.v1 import inference_pb2
@@ -50,7 +51,6 @@ from embedmesh.services.preprocessor.tools import (
 )
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import Routes
-from embedmesh.services.worker.validate import check_sampling_for_model
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["Limits", "ServedModel", "ServedModels", "CompletionRequest", "ChatPartRequest", "ChatMessageRequest",

@@ -12,7 +12,8 @@ Each refusal is an InvalidArgument naming the field and the rule (reason in pare
 - prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW, the rule of ``core.context``)
 - logit_bias token ids are in the vocabulary (TOKEN_OUT_OF_RANGE, field logit_bias)
 - prompt log-probabilities only for prompts made of token ids (PROMPT_LOGPROBS_WITH_EMBEDS)
-Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto``, the rule the preprocessor uses too.
+Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto`` and the vocabulary rule by
+``embedmesh.core.model_rules.check_sampling_for_model``, the rules the preprocessor uses too.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from embedmesh.core import tensors
 from embedmesh.core.context import REQUEST, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.sampling import SamplingParams
+from embedmesh.core.model_rules import check_sampling_for_model
 from embedmesh.services.worker.engines.base import EmbedsSegment, GenerationRequest, ModelInfo, TokenSegment
 
-__all__ = ["check_task", "check_generation", "check_sampling_for_model", "embeds_from_wire"]
+__all__ = ["check_task", "check_generation", "embeds_from_wire"]
 
 _ROW_DTYPES = tensors.float_storage_dtypes()
 """numpy dtypes an EmbedsSegment may hold (uint16: bf16 bits, see ``EmbedsSegment``), from ``tensors.DTYPES``."""
@@ -78,11 +79,3 @@ def check_generation(request: GenerationRequest, info: ModelInfo) -> None:
                               reason="PROMPT_LOGPROBS_WITH_EMBEDS")
     check_context(request.prompt_len, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
                   wording=REQUEST)
-
-
-def check_sampling_for_model(sampling: SamplingParams, vocab_size: int) -> None:
-    """Sampling rules that depend on the model: logit_bias keys are token ids of its vocabulary."""
-    bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                              field="logit_bias", reason="TOKEN_OUT_OF_RANGE")

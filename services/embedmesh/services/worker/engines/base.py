@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from embedmesh.core.kv_events import KvEvent
 
 __all__ = [
+    "EngineContext",
     "load_once",
     "FinishReason",
     "SamplingParams",
@@ -41,6 +42,44 @@ __all__ = [
     "KvEventSource",
     "Engine",
 ]
+
+
+_O = TypeVar("_O")
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built from (``build(context) -> Engine`` in its folder's ``__init__.py``): the worker's
+    settings an engine may read, and the engine's own options. The registry makes it from the worker's config, so
+    no engine depends on that config."""
+
+    engine: str
+    """The registered name of the engine being built."""
+    model: str = "default"
+    """``--model``: a local folder, or "default" for the engine's bundled model."""
+    served_name: str = ""
+    """``--served-name`` ("" = the engine's default: the default model's name or the folder's)."""
+    routers: tuple[str, ...] = ()
+    """KV router addresses (empty = not routable by KV overlap: an engine need not publish KV events)."""
+    block_size: int = 16
+    """Positions per KV block for routing hashes."""
+    enable_lora: bool = False
+    """``--enable-lora``: reserve LoRA adapter slots (engines whose adapters need it)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """Adapters the worker loads at start (name, folder): an engine that needs ``enable_lora`` for them turns it on."""
+    options: Any = None
+    """The engine's options (its spec's ``options`` class, ``engines/<name>/config.py``)."""
+
+    def options_as(self, cls: type[_O]) -> _O:
+        """The engine's options, as the class its factory expects."""
+        if not isinstance(self.options, cls):
+            raise TypeError(f"the {self.engine} engine's options are {type(self.options).__name__}, "
+                            f"not {cls.__name__}")
+        return self.options
+
+    def name_to_serve(self, folder_name: str, default_model: str) -> str:
+        """--served-name, else the default model's name for --model default (or that name), else the folder's."""
+        return self.served_name or (default_model if self.model in ("default", default_model) else folder_name)
 
 
 class FinishReason(Enum):

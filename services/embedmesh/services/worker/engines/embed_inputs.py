@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from embedmesh.core import model_rules
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.worker.engines.base import ModelInfo
 
@@ -60,16 +61,8 @@ def input_field(i: int, n: int) -> str:
 
 
 def check_dimensions(dimensions: int | None, info: ModelInfo) -> None:
-    """Raise the 400 for a ``dimensions`` the model cannot honour."""
-    if dimensions is None or dimensions == info.embedding_size:
-        return
-    if dimensions < 1 or dimensions > info.embedding_size:
-        raise InvalidArgument(f"dimensions: must be between 1 and {info.embedding_size} for {info.model}, got "
-                              f"{dimensions}", field="dimensions", reason="OUT_OF_RANGE")
-    if not info.supports_dimensions:
-        raise InvalidArgument(f"dimensions: {info.model} was not trained for shortened vectors (not Matryoshka); "
-                              f"omit dimensions or pass {info.embedding_size}", field="dimensions",
-                              reason="DIMENSIONS_UNSUPPORTED")
+    """Raise the 400 for a ``dimensions`` the model cannot honour (the rule of ``core/model_rules.py``)."""
+    model_rules.check_dimensions(dimensions, info.model, info.embedding_size, info.supports_dimensions)
 
 
 def shorten(vectors: np.ndarray, dimensions: int | None) -> np.ndarray:

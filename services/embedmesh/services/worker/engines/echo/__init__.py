@@ -8,13 +8,12 @@ from typing import TYPE_CHECKING
 from embedmesh.services.worker.engines.echo.config import EchoOptions
 
 if TYPE_CHECKING:
-    from embedmesh.services.worker.config import WorkerConfig
-    from embedmesh.services.worker.engines.base import Engine
+    from embedmesh.services.worker.engines.base import Engine, EngineContext
 
 __all__ = ["EchoOptions", "build"]
 
 
-def build(config: WorkerConfig) -> Engine:
+def build(context: EngineContext) -> Engine:
     from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
-    return EchoEngine(config.served_name or "echo", hidden_size=config.options_as(EchoOptions).hidden_size)
+    return EchoEngine(context.served_name or "echo", hidden_size=context.options_as(EchoOptions).hidden_size)

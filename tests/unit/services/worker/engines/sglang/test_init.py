@@ -10,6 +10,7 @@ import pytest
 
 from embedmesh.models.minilm import DEFAULT_EMBEDDING_MODEL, minilm_dir
 from embedmesh.services.worker.config import WorkerConfig
+from embedmesh.services.worker.engines.registry import engine_context
 from embedmesh.services.worker.engines.sglang import build
 from embedmesh.services.worker.engines.sglang.engine import SGLangEngine
 
@@ -19,7 +20,7 @@ def _config(*argv: str) -> WorkerConfig:
 
 
 def test_embeddings_default_to_the_packaged_minilm() -> None:
-    engine = build(_config())
+    engine = build(engine_context(_config()))
     assert isinstance(engine, SGLangEngine)
     c = engine.config
     assert (c.model_path, c.served_name, c.task, c.device, c.dtype, c.max_total_tokens, c.max_running_requests,
@@ -28,21 +29,21 @@ def test_embeddings_default_to_the_packaged_minilm() -> None:
 
 def test_generation_needs_a_folder() -> None:
     with pytest.raises(ValueError, match="--engine sglang with a generative task needs --model <folder>"):
-        build(_config("--sglang-task", "generate"))
+        build(engine_context(_config("--sglang-task", "generate")))
 
 
 def test_generation_options_and_lora(tmp_path: Path) -> None:
     folder = tmp_path / "llm"
-    c = build(_config("--sglang-task", "generate", "--model", str(folder), "--sglang-device", "cuda",
+    c = build(engine_context(_config("--sglang-task", "generate", "--model", str(folder), "--sglang-device", "cuda",
                       "--dtype", "bfloat16", "--sglang-max-total-tokens", "64", "--max-batch-size", "5",
-                      "--enable-lora")).config  # type: ignore[attr-defined]
+                      "--enable-lora"))).config  # type: ignore[attr-defined]
     assert (c.model_path, c.served_name, c.task, c.device, c.dtype, c.max_total_tokens, c.max_running_requests,
             c.enable_lora) == (folder, "llm", "generate", "cuda", "bfloat16", 64, 5, True)
-    assert not build(_config("--sglang-task", "generate", "--model", str(folder))).config.enable_lora  # type: ignore[attr-defined]
-    with_modules = build(_config("--sglang-task", "generate", "--model", str(folder), "--served-name", "s",
-                                 "--lora-modules", "a=x"))
+    assert not build(engine_context(_config("--sglang-task", "generate", "--model", str(folder)))).config.enable_lora  # type: ignore[attr-defined]
+    with_modules = build(engine_context(_config("--sglang-task", "generate", "--model", str(folder),
+                                                "--served-name", "s", "--lora-modules", "a=x")))
     assert with_modules.config.enable_lora and with_modules.config.served_name == "s"  # type: ignore[attr-defined]
 
 
 def test_embeddings_never_take_lora(tmp_path: Path) -> None:
-    assert not build(_config("--model", str(tmp_path), "--enable-lora")).config.enable_lora  # type: ignore[attr-defined]
+    assert not build(engine_context(_config("--model", str(tmp_path), "--enable-lora"))).config.enable_lora  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from embedmesh.services.worker.config import WorkerConfig
 from embedmesh.services.worker.engines import registry
+from embedmesh.services.worker.engines.registry import engine_context
 from embedmesh.services.worker.engines.vllm import VLLMOptions, build
 
 
@@ -38,11 +39,11 @@ def test_vllm_offers_kv_events_only_to_routers_and_its_metrics(tmp_path: Path) -
 def test_every_option_reaches_the_engine_config() -> None:
     from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
-    engine = build(WorkerConfig.from_args([
+    engine = build(engine_context(WorkerConfig.from_args([
         "--engine", "vllm", "--served-name", "served", "--dtype", "bfloat16", "--max-model-len", "512",
         "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", "2", "--max-batch-size", "3",
         "--vllm-block-size", "32", "--kv-cache-memory-bytes", "1024", "--ready-timeout", "7",
-        "--block-size", "8", "--routers", "r:1"]))
+        "--block-size", "8", "--routers", "r:1"])))
     assert isinstance(engine, VLLMEngine)
     c = engine.config
     assert (c.served_name, c.dtype, c.max_model_len, c.gpu_memory_utilization, c.tensor_parallel_size,
@@ -52,5 +53,5 @@ def test_every_option_reaches_the_engine_config() -> None:
 
 
 def test_zero_means_vllms_own_block_size_and_cache_size() -> None:
-    c = build(WorkerConfig(engine="vllm", with_options=VLLMOptions())).config  # type: ignore[attr-defined]
+    c = build(engine_context(WorkerConfig(engine="vllm", with_options=VLLMOptions()))).config  # type: ignore[attr-defined]
     assert c.block_size is None and c.kv_cache_memory_bytes is None and c.kv_events is False
