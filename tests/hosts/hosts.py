@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 __all__ = ["ROOT", "SCRIPT", "PREFIX", "Hosts", "Proc", "missing"]
 
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "netns.sh"
 PREFIX = "emh-"
 SUBNET = "10.231.0.0/24"
+LOCK = "/run/lock/embedmesh-hosts.lock" if os.path.isdir("/run/lock") else "/tmp/embedmesh-hosts.lock"
 
 
 def missing() -> list[str]:
@@ -90,11 +93,25 @@ class Hosts:
         self.procs: dict[str, Proc] = {}
         self.addresses: dict[str, str] = {}
         self._closed = False
+        self._lock: IO[str] | None = None
 
     # --- topology ------------------------------------------------------------------------------------------------
 
-    def up(self, addresses: dict[str, str]) -> None:
-        """Clean any stale state, then make one namespace per host (``name -> 10.231.0.x``) on the bridge."""
+    def up(self, addresses: dict[str, str], wait: float = 900) -> None:
+        """Clean any stale state, then make one namespace per host (``name -> 10.231.0.x``) on the bridge.
+
+        One run at a time on a machine (the names and the subnet are fixed, and the clean would tear down another
+        run's hosts): a second run waits for the first's lock, at most ``wait`` seconds."""
+        self._lock = open(LOCK, "w")  # noqa: SIM115 - held until close()
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another multi-host run holds {LOCK} for more than {wait} s") from None
+                time.sleep(1)
         self._netns("clean")
         atexit.register(self.close)
         self._netns("up", *(f"{h}={a}" for h, a in addresses.items()))
@@ -174,3 +191,6 @@ class Hosts:
                     p.popen.kill()
                     p.popen.wait(10)
         self._netns("clean")
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
