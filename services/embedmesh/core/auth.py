@@ -37,12 +37,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from embedmesh.core.errors import PermissionDenied, ResourceExhausted, Unauthenticated
 
 __all__ = ["Access", "ApiKey", "KeyRing", "Principal", "TenantLimiter", "current_principal", "current_tenant",
            "principal_scope", "set_principal", "add_key_args", "keyring_from_values", "configure_keys", "keyring",
-           "limiter",
+           "limiter", "configure_shared", "limited", "take_slot", "release_slot", "Held",
            "DEFAULT_TENANT", "MESH_TENANT", "TENANT_HEADER", "authenticate", "bearer_token"]
 
 DEFAULT_TENANT = "default"
@@ -299,11 +300,81 @@ class TenantLimiter:
                 s.inflight -= 1
 
     def charge_tokens(self, p: Principal, tokens: int) -> None:
-        """Count ``tokens`` (prompt + completion) against the tenant's tokens per minute."""
+        """Count ``tokens`` (prompt + completion) against the tenant's tokens per minute (in Redis too, for every
+        replica, when limits are shared)."""
         if p.key is None or not p.key.tokens_per_minute or tokens <= 0:
             return
         with self._lock:
             self._get(p.tenant, p.key).used.append((self._clock(), int(tokens)))
+        if _shared is not None:
+            _in_background(_shared.charge(p.tenant, int(tokens)))
+
+
+# --- limits shared by every replica (core/shared_limits.py) --------------------------------------------------
+
+Held = Any
+"""What ``take_slot`` returns and ``release_slot`` gives back: None, a Principal (a local slot) or a shared Lease."""
+
+_shared: Any = None
+_background: set[Any] = set()
+
+
+def configure_shared(shared: Any) -> None:
+    """Share the per-key limits with every replica through ``shared`` (a ``SharedLimits``; None: this process
+    only)."""
+    global _shared
+    _shared = shared
+
+
+def limited(p: Principal) -> bool:
+    """Whether ``p``'s key carries any limit (the common unlimited case costs nothing more)."""
+    k = p.key
+    return k is not None and bool(k.max_concurrent_requests or k.requests_per_second or k.tokens_per_minute)
+
+
+async def take_slot(p: Principal) -> Held:
+    """Admit one request of ``p`` under its key's limits, or raise ResourceExhausted. In Redis when limits are
+    shared; in this process when not, or when Redis fails (said once in the log)."""
+    shared = _shared
+    if shared is not None and p.key is not None:
+        k = p.key
+        try:
+            return await shared.acquire(p.tenant, k.max_concurrent_requests, k.requests_per_second,
+                                        k.tokens_per_minute)
+        except ResourceExhausted:
+            raise
+        except Exception as e:  # noqa: BLE001 - Redis down or failing: this process's own limits apply
+            shared.failed(e)
+    return p if _limiter.acquire(p) else None
+
+
+def release_slot(held: Held) -> None:
+    """Give back what ``take_slot`` took (a shared lease is released in the background: this runs in ``finally``
+    blocks, also of generators being closed)."""
+    if held is None:
+        return
+    if isinstance(held, Principal):
+        _limiter.release(held)
+    elif _shared is not None:
+        _in_background(_shared.release(held))
+
+
+def _in_background(coro: Any) -> None:
+    import asyncio
+
+    try:
+        task = asyncio.get_running_loop().create_task(coro)
+    except RuntimeError:  # no loop (a synchronous caller): nothing to schedule it on
+        coro.close()
+        return
+    _background.add(task)
+
+    def done(t: Any) -> None:
+        _background.discard(t)
+        if not t.cancelled() and t.exception() is not None and _shared is not None:
+            _shared.failed(t.exception())
+
+    task.add_done_callback(done)
 
 
 # --- process-wide configuration ----------------------------------------------------------------------------

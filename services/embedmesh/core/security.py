@@ -33,6 +33,12 @@ def configure_from_argv(argv: Sequence[str] | None, env: Mapping[str, str] | Non
                                                      env.get("EMBEDMESH_API_KEYS", ""), known.admin_key))
     except ValueError as e:
         p.error(str(e))
+    redis_url = env.get("REDIS_URL", "")
+    if redis_url and auth.keyring().enabled:
+        # Keys' limits count for every replica together (core/shared_limits.py); Redis connects on first use.
+        from embedmesh.core.shared_limits import SharedLimits
+
+        auth.configure_shared(SharedLimits(redis_url))
     return rest
 
 
@@ -41,4 +47,4 @@ def describe() -> dict[str, object]:
     sec = tls.current()
     ring = auth.keyring()
     return {"tls": sec.tls is not None, "mesh_token": bool(sec.mesh_token), "api_keys": len(ring.keys),
-            "tenants": ring.tenants()}
+            "tenants": ring.tenants(), "shared_limits": auth._shared is not None}

@@ -371,8 +371,9 @@ class _Authorizer:
 
 def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: _Authorizer | None,
            streaming_in: bool, obs: Observed, owed: list[auth.Principal]) -> Any:
-    """Authenticate the call, refuse unparsable request bytes, take the tenant's limiter slot (appended to ``owed``
-    for the caller to release) and serve the rest of the call as its principal; returns the request to hand on."""
+    """Authenticate the call, refuse unparsable request bytes, note a tenant whose limits apply (appended to
+    ``owed``: the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its
+    principal; returns the request to hand on."""
     principal = authz.principal(metadata, context) if authz else auth.current_principal()
     obs.tenant = principal.tenant
     if streaming_in:
@@ -382,8 +383,8 @@ def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadat
     elif isinstance(request, wire.WireRequest):  # tensors kept as views of the request bytes (core.wire)
         wire.set_tensor_views(request.views)
         request = request.message
-    if authz and authz.access is Access.PUBLIC and auth.limiter().acquire(principal):
-        owed.append(principal)
+    if authz and authz.access is Access.PUBLIC and auth.limited(principal):
+        owed.append(principal)  # its tenant's slot is taken next (auth.take_slot: in Redis when shared)
     auth.set_principal(principal)
     return request
 
@@ -415,8 +416,11 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
         raw = request
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
+            held: auth.Held = None
             try:
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
+                if owed:
+                    held = await auth.take_slot(owed[0])
                 return await fn(request, context)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
@@ -426,8 +430,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
                     await _drain(raw)
                 await _abort(context, error)
             finally:
-                for p in owed:
-                    auth.limiter().release(p)
+                auth.release_slot(held)
 
     return wrapper
 
@@ -443,8 +446,11 @@ def _wrap_stream(
         raw = request
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
+            held: auth.Held = None
             try:
                 request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
+                if owed:
+                    held = await auth.take_slot(owed[0])
                 async for item in fn(request, context):
                     yield item
             except (asyncio.CancelledError, grpc.aio.AbortError, GeneratorExit):
@@ -455,8 +461,7 @@ def _wrap_stream(
                     await _drain(raw)
                 await _abort(context, error)
             finally:
-                for p in owed:
-                    auth.limiter().release(p)
+                auth.release_slot(held)
 
     return wrapper
 

@@ -45,7 +45,7 @@ def test_flags_configure_tls_token_and_keys_and_the_rest_is_returned(restore: No
     assert ring.lookup("single-key-1").tenant == auth.DEFAULT_TENANT  # type: ignore[union-attr]
     assert ring.lookup("adm-12345678").admin  # type: ignore[union-attr]
     assert security.describe() == {"tls": True, "mesh_token": True, "api_keys": 3,
-                                   "tenants": ["acme", "admin", "default"]}
+                                   "tenants": ["acme", "admin", "default"], "shared_limits": False}
 
 
 def test_environment_supplies_the_values_and_the_tenant_list(restore: None) -> None:
@@ -55,14 +55,27 @@ def test_environment_supplies_the_values_and_the_tenant_list(restore: None) -> N
     assert tls.current() == tls.Security(mesh_token="env-token")
     assert auth.keyring().lookup("kb-12345678").tenant == "beta"  # type: ignore[union-attr]
     described = security.describe()
-    assert described == {"tls": False, "mesh_token": True, "api_keys": 2, "tenants": ["alpha", "beta"]}
+    assert described == {"tls": False, "mesh_token": True, "api_keys": 2, "tenants": ["alpha", "beta"],
+                         "shared_limits": False}
     assert "env-token" not in repr(described) and "ka-12345678" not in repr(described)
 
 
 def test_nothing_set_means_plaintext_and_no_keys(restore: None) -> None:
     assert security.configure_from_argv(["--x"], env={}) == ["--x"]
     assert not tls.current().enabled and not auth.keyring().enabled
-    assert security.describe() == {"tls": False, "mesh_token": False, "api_keys": 0, "tenants": []}
+    assert security.describe() == {"tls": False, "mesh_token": False, "api_keys": 0, "tenants": [],
+                                   "shared_limits": False}
+
+
+def test_redis_url_shares_the_keys_limits_only_when_there_are_keys(restore: None) -> None:
+    try:
+        security.configure_from_argv([], env={"REDIS_URL": "redis://127.0.0.1:6379/0"})
+        assert security.describe()["shared_limits"] is False  # no keys, no limits to share
+        security.configure_from_argv([], env={"REDIS_URL": "redis://127.0.0.1:6379/0",
+                                              "EMBEDMESH_API_KEYS": "ka-12345678=alpha"})
+        assert security.describe()["shared_limits"] is True
+    finally:
+        auth.configure_shared(None)
 
 
 @pytest.mark.parametrize("argv,env,message", [
