@@ -10,20 +10,19 @@ from typing import TYPE_CHECKING
 from embedmesh.services.worker.engines.mocker.config import MockerOptions, check_capacity
 
 if TYPE_CHECKING:
-    from embedmesh.services.worker.config import WorkerConfig
-    from embedmesh.services.worker.engines.base import Engine
+    from embedmesh.services.worker.engines.base import Engine, EngineContext
 
 __all__ = ["MockerOptions", "build"]
 
 
-def build(config: WorkerConfig) -> Engine:
+def build(context: EngineContext) -> Engine:
     """The engine; options the cache cannot satisfy stop the worker with one line naming them (exit status 2)."""
     from embedmesh.services.worker.engines.mocker.engine import MockerEngine
 
-    options = config.options_as(MockerOptions)
+    options = context.options_as(MockerOptions)
     try:
-        check_capacity(options, config.block_size)
+        check_capacity(options, context.block_size)
     except ValueError as e:
         print(f"embedmesh-worker: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    return MockerEngine(config.served_name or "mocker", config.block_size, options)
+    return MockerEngine(context.served_name or "mocker", context.block_size, options)
