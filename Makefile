@@ -99,11 +99,12 @@ test-hosts: venv model sysdeps
 test-hosts-clean:
 	bash scripts/netns.sh clean
 
-# The fuzz tests of `make test` (tensor codec, gateway request parsing) with many more examples; zero 5xx.
+# The fuzz tests of `make test` (tensor codec, gateway request parsing, schemathesis against the live gateway's
+# /openapi.json: a tenth as many examples per operation) with many more examples; zero 5xx.
 FUZZ_EXAMPLES ?= 10000
-fuzz: venv model
+fuzz: venv model sysdeps
 	EMBEDMESH_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/unit/core/test_tensor_codec_fuzz.py \
-		tests/unit/gateway/test_fuzz_requests.py
+		tests/unit/gateway/test_fuzz_requests.py tests/e2e/test_openapi.py
 
 # The client process gets the same glibc tuning the launcher gives the services.
 bench: venv model sysdeps

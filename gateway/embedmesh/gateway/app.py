@@ -7,6 +7,7 @@ to the ``Gateway`` (``context.py``: channel, stubs, config, body reading)::
     embeddings.py    POST /v1/embeddings
     uploads.py       /v1/prompt_embeds (upload a tensor once, refer to it by id)
     app.py           GET /v1/models, GET /health, GET /metrics
+    openapi.py       GET /openapi.json, GET /docs (built from the app's own routes)
 
 A new area (``/v1/files``, ``/v1/vector_stores``, ``lora.py``) is a new module with its own ``routes(gw)``
 function, listed in ``create_app`` or passed in ``extra_routes``. Every route gets the same wrapper: request count
@@ -36,7 +37,7 @@ from starlette.routing import Route
 from embedmesh.core import auth
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import tracer
-from embedmesh.gateway import completions, embeddings, lora, uploads
+from embedmesh.gateway import completions, embeddings, lora, openapi, uploads
 from embedmesh.gateway.auth import authenticate_request, forwarding_channel
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.context import Gateway
@@ -299,7 +300,7 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []
     for r in [*completions.routes(gw), *mesh_routes(gw), *uploads.routes(gw), *embeddings.routes(gw),
-              *lora.routes(gw), *plugged]:
+              *lora.routes(gw), *openapi.routes(gw), *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
         routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced,
                                               admission=None if r.path == "/health" else admission),

@@ -2,10 +2,11 @@
 
 Every route needs ``Authorization: Bearer <key>`` when API keys are configured (the same key ring the gRPC
 services load, see ``embedmesh.core.auth``): a missing or wrong key is a 401 with OpenAI's error JSON
-(``invalid_api_key``) before the body is read. Only ``/health`` is open, and ``/metrics`` unless
-``--metrics-require-key`` is set: a route outside ``/v1/`` (``/sleep``, ``/wake_up``, ``/is_sleeping``) is checked
-here as well as by the service behind it. More than one ``Authorization`` header is a 400 whether or not keys are
-configured: which one a proxy, the gateway and a service each read would otherwise be a matter of chance.
+(``invalid_api_key``) before the body is read. Only ``/health``, ``/openapi.json`` and ``/docs`` are open, and
+``/metrics`` unless ``--metrics-require-key`` is set: a route outside ``/v1/`` (``/sleep``, ``/wake_up``,
+``/is_sleeping``) is checked here as well as by the service behind it. More than one ``Authorization`` header is
+a 400 whether or not keys are configured: which one a proxy, the gateway and a service each read would otherwise
+be a matter of chance.
 
 The gateway holds no privilege of its own over client data: it forwards the client's ``Authorization`` header as
 gRPC metadata on every call it makes for the request (``forwarding_channel``), and the preprocessor and vector
@@ -28,8 +29,8 @@ __all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
 _authorization: contextvars.ContextVar[str] = contextvars.ContextVar("embedmesh_authorization", default="")
 
 
-OPEN_PATHS = frozenset({"/health"})
-"""Routes that never need a key (the kubelet's probes call them)."""
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs"})
+"""Routes that never need a key (the kubelet's probes call /health; the API's description is public)."""
 
 
 def needs_key(path: str, metrics_require_key: bool) -> bool:

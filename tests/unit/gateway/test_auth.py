@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from embedmesh.core import auth
 from embedmesh.gateway import GatewayConfig, create_app
-from embedmesh.gateway.auth import _authorization
+from embedmesh.gateway.auth import OPEN_PATHS, _authorization
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -62,7 +62,7 @@ async def test_every_route_outside_v1_needs_the_key_too_but_health(keys: None) -
     """The admin routes outside /v1/ (/sleep, /wake_up, /is_sleeping) were left to the service behind them."""
     app = _app()
     outside = [(m, r.path) for r in app.routes if isinstance(r, Route) and not r.path.startswith("/v1")
-               for m in sorted(r.methods or ["GET"]) if m != "HEAD" and r.path not in ("/health", "/metrics")]
+               for m in sorted(r.methods or ["GET"]) if m != "HEAD" and r.path not in (*OPEN_PATHS, "/metrics")]
     assert {p for _, p in outside} >= {"/sleep", "/wake_up", "/is_sleeping"}, outside
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
