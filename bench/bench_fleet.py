@@ -95,7 +95,8 @@ def fleet_run(workers: int, mode: str, w: Workload, concurrency: int, env: dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 workers, 12 groups (the default: 32 workers, 48 groups)")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 workers, 12 groups x 12 (the default: 32 workers, 48 groups x 8)")
     ap.add_argument("--workers", type=int, default=0, help="mocker workers (default 8 with --quick, else 32)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--prefill-ms", type=float, default=4.0,
@@ -103,7 +104,8 @@ def main() -> None:
                          "and preprocessor on this machine's cores, bound time to first token")
     a = ap.parse_args()
     workers = a.workers or (8 if a.quick else 32)
-    w = Workload(groups=12 if a.quick else 48, per_group=12, prefix_tokens=512, suffix_tokens=32, max_tokens=8)
+    w = Workload(groups=12 if a.quick else 48, per_group=12 if a.quick else 8, prefix_tokens=512, suffix_tokens=32,
+                 max_tokens=8)
     env = {"EMBEDMESH_WORKER_MOCKER_PREFILL_MS_PER_TOKEN": str(a.prefill_ms)}
     blocks = int(MOCKER_ENV["EMBEDMESH_WORKER_MOCKER_NUM_BLOCKS"])
     prefix_blocks = w.prefix_tokens // BLOCK

@@ -89,7 +89,8 @@ def wait_converged(replicas: list[str], timeout: float = 60) -> dict[str, int]:
 def test_a_killed_router_replica_costs_no_request_and_rebuilds_its_view_when_restarted() -> None:
     """Three router replicas, each consuming every worker's events. One is SIGKILLed: the preprocessor routes
     through the other two without a failed request and the hit rate holds; restarted on its port, it gets every
-    worker's snapshot again (workers re-register with backoff) and its view equals the others'."""
+    worker's snapshot again (workers re-register with backoff) and its view equals the others'. Another, frozen
+    (SIGSTOP) while the caches change and thawed, converges to the same view."""
     mesh = start_fleet(WORKERS, "kv", replicas=3)
     replicas = [str(r) for r in mesh.extra["routers"]]  # type: ignore[attr-defined]
     w = WORKLOAD
@@ -120,7 +121,16 @@ def test_a_killed_router_replica_costs_no_request_and_rebuilds_its_view_when_res
             wait_registered(replicas[1], WORKERS)
             view = wait_converged(replicas)  # the snapshots rebuilt the restarted replica's index
             assert sum(view.values()) > 0
-            after = workload(2)
+            # A partition: replica 2 frozen past the router's 3 s staleness while the workload changes every
+            # cache; thawed, it drops the silent workers, they re-register with snapshots, and it converges.
+            frozen = child_pid(mesh, "router-2")
+            os.kill(frozen, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                after = workload(2)
+                time.sleep(max(0.0, 4 - (time.monotonic() - frozen_at)))
+            finally:
+                os.kill(frozen, signal.SIGCONT)
             wait_converged(replicas)
         finally:
             restarted.send_signal(signal.SIGTERM)
