@@ -140,3 +140,35 @@ def test_a_killed_router_replica_costs_no_request_and_rebuilds_its_view_when_res
         assert min(healthy, degraded, after) >= 0.9 * best
     finally:
         mesh.stop()
+
+
+def test_a_repeated_prompt_embeds_prompt_finds_its_blocks_on_the_worker_the_router_picks() -> None:
+    """Embeddings rows hash into the same chained blocks on the preprocessor (routing) and in the mocker (its
+    cache and events): the same prompt_embeds prompt sent again is routed to the worker that holds it and found
+    there, for every repeat; a different tensor of the same shape is not."""
+    import httpx
+    import torch
+
+    from tests.e2e.conftest import b64_of
+
+    mesh = start_fleet(4, "kv")
+    try:
+        wait_registered(str(mesh.extra["router"]), 4)
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randn(64, 576, generator=g) for _ in range(2)]
+
+        def send(t: torch.Tensor) -> dict[str, float]:
+            before = worker_counters(mesh, 4)
+            r = httpx.post(f"{mesh.base_url}/v1/completions", timeout=60,
+                           json={"model": "mocker", "prompt_embeds": b64_of(t), "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            after = worker_counters(mesh, 4)
+            return {k: after[k] - before[k] for k in after}
+
+        assert send(rows[0])["cached"] == 0
+        time.sleep(0.5)  # its stored event reaches the router
+        for _ in range(3):
+            assert send(rows[0])["cached"] == 63  # all 4 blocks held; the last position is computed again
+        assert send(rows[1])["cached"] == 0
+    finally:
+        mesh.stop()
