@@ -135,3 +135,90 @@ async def test_openapi_and_docs_are_open_with_keys_configured(keys: None) -> Non
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "/v1/chat/completions" in page.text and "/openapi.json" in page.text and "<script" not in page.text
         assert (await c.get("/v1/models")).status_code == 401  # the rest still needs the key
+
+
+def _check(doc: dict[str, Any], method: str, path: str, r: httpx.Response) -> None:
+    """``r`` (an answer of ``method path``) has a status, media type and body the document gives that route."""
+    responses = doc["paths"][path][method]["responses"]
+    entry = responses.get(str(r.status_code), responses["default"])
+    media = r.headers["content-type"].split(";")[0]
+    content = entry["content"]
+    assert media in content or "*/*" in content, (method, path, media, list(content))
+    if media == "application/json":
+        schema = content[media]["schema"]
+        jsonschema.Draft202012Validator({**schema, "components": doc["components"]}).validate(r.json())
+
+
+def test_files_vector_stores_and_embeddings_answers_validate() -> None:
+    """Every files and vector-store route, and /v1/embeddings, through the scripted stubs of their own tests."""
+    from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
+    from tests.unit.gateway import test_embeddings, test_files, test_vector_stores
+    from tests.unit.gateway.test_files import FILE
+    from tests.unit.gateway.test_vector_stores import STORE, VS_FILE
+
+    doc = openapi.document(_app().routes)
+    fhttp, _ = test_files.client(
+        UploadFile=pb.UploadFileResponse(file=FILE), ListFiles=pb.ListFilesResponse(data=[FILE], page=pb.PageInfo(
+            first_id="file-1", last_id="file-1", has_more=True)),
+        GetFile=pb.GetFileResponse(file=FILE), DeleteFile=pb.DeleteFileResponse(id="file-1", deleted=True),
+        GetFileContent=[pb.GetFileContentResponse(chunk=b"# Hello\n")])
+    f = "/v1/files/{file_id}"
+    for method, path, r in [
+        ("post", "/v1/files", fhttp.post("/v1/files", files={"file": ("a.md", b"# Hi")}, data={"purpose": "x"})),
+        ("post", "/v1/files", fhttp.post("/v1/files", data={"purpose": "x"})),
+        ("get", "/v1/files", fhttp.get("/v1/files?limit=1")),
+        ("get", "/v1/files", fhttp.get("/v1/files?limit=x")),
+        ("get", f, fhttp.get("/v1/files/file-1")),
+        ("delete", f, fhttp.delete("/v1/files/file-1")),
+        ("get", f + "/content", fhttp.get("/v1/files/file-1/content")),
+    ]:
+        _check(doc, method, path, r)
+
+    batch = pb.VectorStoreFileBatch(id="vsfb_1", vector_store_id="vs_1", status=pb.FILE_STATUS_IN_PROGRESS)
+    vhttp, _ = test_vector_stores.client(
+        CreateVectorStore=pb.CreateVectorStoreResponse(vector_store=STORE),
+        ListVectorStores=pb.ListVectorStoresResponse(data=[STORE], page=pb.PageInfo()),
+        GetVectorStore=pb.GetVectorStoreResponse(vector_store=STORE),
+        UpdateVectorStore=pb.UpdateVectorStoreResponse(vector_store=pb.VectorStore(
+            id="vs_2", status=pb.VECTOR_STORE_STATUS_COMPLETED)),
+        DeleteVectorStore=pb.DeleteVectorStoreResponse(id="vs_1", deleted=True),
+        CreateVectorStoreFile=pb.CreateVectorStoreFileResponse(file=VS_FILE),
+        ListVectorStoreFiles=pb.ListVectorStoreFilesResponse(data=[VS_FILE]),
+        GetVectorStoreFile=pb.GetVectorStoreFileResponse(file=pb.VectorStoreFile(
+            id="file-2", status=pb.FILE_STATUS_COMPLETED)),
+        UpdateVectorStoreFile=pb.UpdateVectorStoreFileResponse(file=VS_FILE),
+        DeleteVectorStoreFile=pb.DeleteVectorStoreFileResponse(id="file-1", deleted=True),
+        CreateVectorStoreFileBatch=pb.CreateVectorStoreFileBatchResponse(batch=batch),
+        GetVectorStoreFileBatch=pb.GetVectorStoreFileBatchResponse(batch=batch),
+        CancelVectorStoreFileBatch=pb.CancelVectorStoreFileBatchResponse(batch=batch),
+        ListVectorStoreFileBatchFiles=pb.ListVectorStoreFileBatchFilesResponse(data=[VS_FILE]),
+        SearchVectorStore=pb.SearchVectorStoreResponse(search_queries=["q"], data=[pb.SearchResult(
+            file_id="file-1", filename="a.md", score=0.5, attributes={"n": pb.AttributeValue(number_value=1.5)},
+            content=[pb.SearchContent(type="text", text="Paris")])]))
+    s, sf, b = "/v1/vector_stores/{id}", "/v1/vector_stores/{id}/files/{file_id}", \
+        "/v1/vector_stores/{id}/file_batches/{batch_id}"
+    for method, path, r in [
+        ("post", "/v1/vector_stores", vhttp.post("/v1/vector_stores", json={"name": "docs"})),
+        ("post", "/v1/vector_stores", vhttp.post("/v1/vector_stores", json={"name": 3})),
+        ("get", "/v1/vector_stores", vhttp.get("/v1/vector_stores")),
+        ("get", s, vhttp.get("/v1/vector_stores/vs_1")),
+        ("post", s, vhttp.post("/v1/vector_stores/vs_2", json={"expires_after": None})),
+        ("delete", s, vhttp.delete("/v1/vector_stores/vs_1")),
+        ("post", s + "/files", vhttp.post("/v1/vector_stores/vs_1/files", json={"file_id": "file-1"})),
+        ("get", s + "/files", vhttp.get("/v1/vector_stores/vs_1/files?filter=completed")),
+        ("get", sf, vhttp.get("/v1/vector_stores/vs_1/files/file-2")),
+        ("post", sf, vhttp.post("/v1/vector_stores/vs_1/files/file-1", json={"attributes": {"a": True}})),
+        ("delete", sf, vhttp.delete("/v1/vector_stores/vs_1/files/file-1")),
+        ("post", s + "/file_batches", vhttp.post("/v1/vector_stores/vs_1/file_batches", json={"file_ids": ["a"]})),
+        ("get", b, vhttp.get("/v1/vector_stores/vs_1/file_batches/vsfb_1")),
+        ("post", b + "/cancel", vhttp.post("/v1/vector_stores/vs_1/file_batches/vsfb_1/cancel")),
+        ("get", b + "/files", vhttp.get("/v1/vector_stores/vs_1/file_batches/vsfb_1/files")),
+        ("post", s + "/search", vhttp.post("/v1/vector_stores/vs_1/search", json={"query": "q"})),
+    ]:
+        _check(doc, method, path, r)
+
+    ehttp, _ = test_embeddings.client()
+    for fmt in ("float", "base64"):
+        r = ehttp.post("/v1/embeddings", json={"model": "e", "input": "hi", "encoding_format": fmt})
+        assert r.status_code == 200
+        _check(doc, "post", "/v1/embeddings", r)
