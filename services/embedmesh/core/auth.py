@@ -43,7 +43,7 @@ from embedmesh.core.errors import PermissionDenied, ResourceExhausted, Unauthent
 
 __all__ = ["Access", "ApiKey", "KeyRing", "Principal", "TenantLimiter", "current_principal", "current_tenant",
            "principal_scope", "set_principal", "add_key_args", "keyring_from_values", "configure_keys", "keyring",
-           "limiter", "configure_shared", "limited", "take_slot", "release_slot", "Held",
+           "limiter", "PRIORITIES", "configure_shared", "limited", "take_slot", "release_slot", "Held",
            "DEFAULT_TENANT", "MESH_TENANT", "TENANT_HEADER", "authenticate", "bearer_token"]
 
 DEFAULT_TENANT = "default"
@@ -76,6 +76,14 @@ class ApiKey:
     """Token bucket refill rate; 0 = unlimited. Burst = max(1, rate)."""
     tokens_per_minute: int = 0
     """Prompt + completion tokens per rolling minute; 0 = unlimited."""
+    weight: float = 1.0
+    """The tenant's share of the workers when they are saturated (the preprocessor's ``--fair-share-slots``)."""
+    priority: str = "interactive"
+    """``interactive`` or ``batch``: batch work waits while interactive work waits (under saturation only)."""
+
+
+PRIORITIES = ("interactive", "batch")
+"""A key's ``priority`` values, served in this order."""
 
 
 def _digest(key: str) -> bytes:
@@ -197,8 +205,15 @@ class KeyRing:
                 if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
                     raise ValueError(f"{where}: {name} must be a number >= 0")
                 limits[name] = kind(v)
+            weight = e.get("weight", 1.0)
+            if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight <= 1000 \
+                    or not math.isfinite(weight):
+                raise ValueError(f"{where}: weight must be a number in (0, 1000]")
+            priority = e.get("priority", PRIORITIES[0])
+            if priority not in PRIORITIES:
+                raise ValueError(f"{where}: priority must be one of {', '.join(PRIORITIES)}")
             out.append(ApiKey(digest, _key_tenant(str(e.get("tenant", DEFAULT_TENANT)), where),
-                              admin=bool(e.get("admin", False)), **limits))
+                              admin=bool(e.get("admin", False)), weight=float(weight), priority=priority, **limits))
         return out
 
 

@@ -44,6 +44,9 @@ def test_keyring_maps_each_key_to_its_tenant_and_nothing_else(keys: None) -> Non
     ({"keys": [{"key": "long-enough-key", "tenant": "mesh"}]}, "reserved"),
     ({"keys": [{"key": "long-enough-key", "requests_per_second": -1}]}, "requests_per_second"),
     ({"nokeys": 1}, "expected"),
+    ({"keys": [{"key": "long-enough-key", "weight": 0}]}, "weight must be"),
+    ({"keys": [{"key": "long-enough-key", "weight": "4"}]}, "weight must be"),
+    ({"keys": [{"key": "long-enough-key", "priority": "urgent"}]}, "priority must be one of interactive, batch"),
 ])
 def test_bad_key_files_are_refused_naming_the_entry(tmp_path: Path, doc: Any, message: str) -> None:
     f = tmp_path / "keys.json"
@@ -65,6 +68,17 @@ def test_key_file_takes_hashed_keys_and_limits(tmp_path: Path) -> None:
     assert k1 is not None and (k1.tenant, k1.max_concurrent_requests, k1.admin) == ("t1", 2, False)
     assert k2 is not None and (k2.tenant, k2.requests_per_second, k2.tokens_per_minute, k2.admin) == ("t2", 5, 100,
                                                                                                         True)
+    assert (k1.weight, k1.priority) == (1.0, "interactive")  # the defaults
+
+
+def test_key_file_takes_weights_and_priorities(tmp_path: Path) -> None:
+    f = tmp_path / "keys.json"
+    f.write_text(json.dumps({"keys": [{"key": "heavy-key-1", "tenant": "h", "weight": 4},
+                                      {"key": "bulk-key-12", "tenant": "b", "weight": 0.5, "priority": "batch"}]}))
+    ring = auth.keyring_from_values(keys_file=str(f))
+    h, b = ring.lookup("heavy-key-1"), ring.lookup("bulk-key-12")
+    assert h is not None and (h.weight, h.priority) == (4.0, "interactive")
+    assert b is not None and (b.weight, b.priority) == (0.5, "batch")
 
 
 # --- decisions ---------------------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     max_inflight: int = 256
     """Requests (completions, chats, embeddings) served at once; past it a new one is refused at once with
     UNAVAILABLE ``OVERLOADED`` and a retry delay."""
+    fair_share_slots: int = 0
+    """Generations run at once before the rest wait and are served by their keys' weight and priority (about the
+    workers' batch slots in all); 0 = off, first come, first served."""
     drain_seconds: float = option(30.0, aliases=("EMBEDMESH_DRAIN_GRACE_SECONDS",))
     """On SIGTERM: how long in-flight calls may finish before the worker channels close."""
 
@@ -100,5 +103,7 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_n and max_prompts must be >= 1")
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
+        if self.fair_share_slots < 0:
+            raise ValueError("fair_share_slots must be >= 0")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")

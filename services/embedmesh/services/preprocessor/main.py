@@ -19,6 +19,7 @@ from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
 from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
+from embedmesh.services.preprocessor.fair_share import FairShare
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.service import InferenceDomain, Limits, ServedModels
 from embedmesh.services.preprocessor.servicer import InferenceServicer
@@ -81,7 +82,8 @@ async def serve(config: PreprocessorConfig) -> None:
     models = ServedModels(pool, tokenizer, template, texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
                                                             for name, f in config.model_tokenizers})
     domain = InferenceDomain(pool, cache, models, Limits(max_n=config.max_n, max_prompts=config.max_prompts,
-                                                         max_embeds_bytes=config.max_embeds_bytes), router)
+                                                         max_embeds_bytes=config.max_embeds_bytes), router,
+                             FairShare(config.fair_share_slots))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
                InferenceServicer(domain, MeshAdmin(pool, config.routers), config.max_inflight), SERVICE_NAME,

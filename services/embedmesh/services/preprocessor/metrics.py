@@ -6,12 +6,16 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = ["INFLIGHT", "REJECTED", "TTFT", "PROMPT_TOKENS", "GENERATED_TOKENS", "WORKER_RETRIES", "WORKER_FAILURES",
-           "REQUEST_TOKENS_PER_SECOND"]
+           "REQUEST_TOKENS_PER_SECOND", "FAIR_SHARE_WAITING"]
 
 # --- admission (servicer.Admission) ---------------------------------------------------------------------------
 INFLIGHT = Gauge("embedmesh_preprocessor_inflight_requests", "Requests the preprocessor is serving now")
 REJECTED = Counter("embedmesh_preprocessor_rejected_total", "Requests refused at once because the preprocessor "
                    "was at --max-inflight", ["rpc"])
+
+# --- fair share (fair_share.FairShare) ---------------------------------------------------------------------
+FAIR_SHARE_WAITING = Gauge("embedmesh_preprocessor_fair_share_waiting", "Requests waiting for a generation slot "
+                           "(--fair-share-slots), by the priority of their key", ["priority"])
 
 # --- completions (pipeline.run_job) ---------------------------------------------------------------------------
 TTFT = Histogram("embedmesh_time_to_first_token_seconds", "Request start to the first generated text, per model",

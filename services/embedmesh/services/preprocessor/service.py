@@ -39,6 +39,7 @@ from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor import prompt_embeds
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
 from embedmesh.services.preprocessor.embedding_requests import embed_inputs
+from embedmesh.services.preprocessor.fair_share import INTERACTIVE, FairShare
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
 from embedmesh.services.preprocessor.prompts import Tokenizer, build_prompts
@@ -208,12 +209,13 @@ class InferenceDomain:
     """Completions, chat and embeddings over the worker pool (see the module docstring for the order of rules)."""
 
     def __init__(self, pool: WorkerPool, cache: TieredCache, models: ServedModels, limits: Limits,
-                 router: Routes | None = None) -> None:
+                 router: Routes | None = None, fair: FairShare | None = None) -> None:
         self.pool = pool
         self.cache = cache
         self.models = models
         self.limits = limits
         self.router = router
+        self.fair = fair or FairShare(0)
 
     # --- completions and chat -------------------------------------------------------------------------------------
     async def complete(self, request: CompletionRequest) -> Completion:
@@ -332,8 +334,15 @@ class InferenceDomain:
                 yield Delta(index, "", (), common_pb2.FINISH_REASON_LENGTH)
             yield Usage(sum(len(p) for p in job.prompts), 0)
             return
-        async for item in run_job(job, self.pool, self.router):
-            yield item
+        # Under saturation, the tenant's turn by its key's weight and priority (fair_share.py); at once otherwise.
+        p = current_principal()
+        key = p.key
+        await self.fair.acquire(p.tenant, key.weight if key else 1.0, key.priority if key else INTERACTIVE)
+        try:
+            async for item in run_job(job, self.pool, self.router):
+                yield item
+        finally:
+            self.fair.release()
 
     async def _stream(self, job: Job) -> AsyncIterator[Choice | Usage]:
         """Deltas as they come (echo before a choice's first); with tools, each choice whole at its end, its calls
