@@ -51,7 +51,8 @@ class _Seq:
     prompt_len: int
     max_tokens: int
     rng: random.Random
-    out: asyncio.Queue[GenerationDelta] = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[GenerationDelta | Exception] = field(default_factory=asyncio.Queue)
+    """Deltas, or the error that ended the scheduler."""
     alloc: Allocation | None = None
     generated: list[int] = field(default_factory=list)
     cached: int = 0
@@ -82,6 +83,8 @@ class MockerEngine(Engine, KvEventSource):
         self._task: asyncio.Task[None] | None = None
         self._stats = EngineStats()
         self._adapters: dict[str, str] = {}
+        self._failed: Exception | None = None
+        """Why the scheduler stopped (a bug): every request then fails with it and check_health raises it."""
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0, "steps": 0}
         """Positions asked for, found in the cache, and prefilled; scheduler steps run."""
 
@@ -104,7 +107,13 @@ class MockerEngine(Engine, KvEventSource):
     def kv_event_source(self) -> KvEventSource:
         return self
 
+    async def check_health(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self._failed is not None:
+            raise self._failed
         seq = self._sequence(request)
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
@@ -112,6 +121,8 @@ class MockerEngine(Engine, KvEventSource):
         try:
             while True:
                 delta = await seq.out.get()
+                if isinstance(delta, Exception):
+                    raise delta
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -175,11 +186,20 @@ class MockerEngine(Engine, KvEventSource):
         return _Seq(request, hashes, request.prompt_len, max(request.sampling.max_tokens, 1), random.Random(seed))
 
     async def _run(self) -> None:
-        while True:
-            if not self._waiting and not self._running:
-                await self._wake.wait()
-            self._wake.clear()
-            await self.step()
+        try:
+            while True:
+                if not self._waiting and not self._running:
+                    await self._wake.wait()
+                self._wake.clear()
+                await self.step()
+        except Exception as e:  # a bug: fail what waits and runs instead of leaving it hanging
+            self._failed = RuntimeError(f"the mocker's scheduler stopped: {e!r}")
+            for s in (*self._waiting, *self._running):
+                s.done = True
+                s.out.put_nowait(self._failed)
+            self._waiting.clear()
+            self._running.clear()
+            raise
 
     async def step(self) -> None:
         """One scheduler step (see the module docstring); returns at once when there is nothing to do."""
@@ -195,7 +215,7 @@ class MockerEngine(Engine, KvEventSource):
         await self._sleep(self.timing.step_seconds(uncached, len(self._running)))
         self._drop_aborted()
         for s in admitted:
-            if s.alloc is not None:
+            if s.alloc is not None and not s.done:  # aborted during the step: its blocks are released already
                 self.cache.commit_prefill(s.alloc)
         for s in list(self._running):
             self._emit_token(s)

@@ -193,3 +193,35 @@ async def test_clear_kv_blocks_and_lora_bookkeeping() -> None:
     assert e.lora_names() == ["ad"] and await e.list_loras() == {"ad": "/x"}
     assert await e.unload_lora("ad") and e.lora_names() == []
     await e.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_scheduler_that_breaks_fails_its_requests_and_the_health_check() -> None:
+    async def broken(seconds: float) -> None:
+        raise ValueError("boom")
+
+    e = MockerEngine("mocker", BS, MockerOptions(), sleep=broken)
+    await e.start()
+    with pytest.raises(RuntimeError, match="scheduler stopped"):
+        await collect(e, req("a", list(range(40))))
+    with pytest.raises(RuntimeError, match="boom"):
+        await e.check_health()
+    with pytest.raises(RuntimeError):
+        await collect(e, req("b", list(range(40))))
+    await e.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_request_aborted_during_its_prefill_stores_nothing() -> None:
+    e: MockerEngine
+
+    async def abort_meanwhile(seconds: float) -> None:
+        await e.abort("a")
+
+    e = await started(MockerEngine("mocker", BS, MockerOptions(), sleep=abort_meanwhile))
+    events: list[KvEvent] = []
+    e.on_kv_events(events.extend)
+    out = await collect(e, req("a", list(range(40))))
+    assert out[-1].finish_reason is FinishReason.ABORT
+    assert events == [] and e.cache.used_blocks == 0 and e.cache.cached_blocks == 0
+    await e.shutdown()
