@@ -163,7 +163,8 @@ class Hosts:
             check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a client command inside ``host``'s namespace to its end (bounded by ``timeout``)."""
         out = subprocess.run(["ip", "netns", "exec", PREFIX + host, *argv], cwd=ROOT, capture_output=True,
-                             text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                             text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                             preexec_fn=_die_with_parent())
         if check and out.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:4])}... in {host} exited {out.returncode}:\n"
                                f"{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
