@@ -18,6 +18,7 @@ import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,9 +86,11 @@ class Containers:
         return name
 
     def start(self, image: str, *args: str, alias: str = "", networks: tuple[str, ...] = (),
-              publish: tuple[int, ...] = (), env: dict[str, str] | None = None, entrypoint: str | None = None) -> str:
+              publish: tuple[int, ...] = (), env: dict[str, str] | None = None, entrypoint: str | None = None,
+              volumes: tuple[tuple[str, str], ...] = (), shm_size: str = "") -> str:
         """``podman run -d``; ``alias`` is the name other containers on ``networks`` dial; each port of
-        ``publish`` is published on 127.0.0.1 at a free host port (``host_port``)."""
+        ``publish`` is published on 127.0.0.1 at a free host port (``host_port``); ``volumes`` are (host folder,
+        container path) pairs mounted read-only."""
         name = f"embedmesh-test-{self.tag}-{alias or 'c'}-{len(self.names)}"
         self.names.append(name)  # before the run: a half-created container is removed too
         cmd = ["run", "-d", "--pull=never", "--name", name]
@@ -101,6 +104,10 @@ class Containers:
             cmd += ["-e", f"{key}={value}"]
         if entrypoint is not None:
             cmd += ["--entrypoint", entrypoint]
+        for host, path in volumes:
+            cmd += ["-v", f"{host}:{path}:ro"]
+        if shm_size:
+            cmd += ["--shm-size", shm_size]
         r = podman(*cmd, image, *args)
         assert r.returncode == 0, f"podman run {image} failed: {r.stderr}"
         return name
@@ -180,3 +187,15 @@ def run_to_exit(ref: str, *args: str, timeout: float = 120,
         pytest.fail(f"{ref} {' '.join(args)} was still running after {timeout}s; it should have refused to start")
     finally:
         podman("rm", "--force", "--time", "0", name)
+
+
+@pytest.fixture(scope="session")
+def smollm() -> Any:
+    """(model, tokenizer) of the default model on the host, the reference the containers' answers are held to."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from embedmesh.models import ensure_default_model
+
+    path = ensure_default_model()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
