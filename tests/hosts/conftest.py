@@ -232,6 +232,11 @@ def _write_doc(figures: list[Figure], path: Path, seconds: float) -> None:
         "mutual TLS between every service (the project's certificates, `embedmesh.core.certs`). The load runs in "
         "the `client` namespace through the gateway: streamed completions, echo workers slowed to "
         f"{TOKEN_DELAY_MS} ms per token by the test shim tests/hosts/slow_echo.py.\n\n"
+        "Each fault runs under load from the `client` namespace; a figure's \"seconds\" count from the fault (or "
+        "the repair) to the first monitor snapshot (every ~0.25-1 s, also from the client namespace) that shows "
+        "the change. Nothing leaves the machine: no address outside the test's namespaces, the root namespace "
+        "blackholes the subnet for the whole run, and teardown (also on failure or interruption; "
+        "`make test-hosts-clean` after a killed run) removes namespaces, route and processes.\n\n"
         "| fault | requests | failed | seconds until the mesh stops sending to the lost part | "
         "seconds to recover after the repair | notes |\n|---|---|---|---|---|---|\n" + rows + "\n")
 
