@@ -1,8 +1,9 @@
-"""The default set as containers only: router, hf worker, preprocessor and gateway from the services and worker-hf
-images on an internal podman network of their own (no route out of it), the gateway also on a second network that
-publishes its REST port on 127.0.0.1. A completion from
-``prompt_embeds`` (built by the client from the model's own embedding layer, as vLLM's docs tell clients to) equals
-the completion of the same prompt as text, both served by the containers."""
+"""The default set as containers only: router, hf and hf-embed workers, preprocessor and gateway from the services
+and worker-hf images on an internal podman network of their own (no route out of it), the gateway also on a second
+network that publishes its REST port on 127.0.0.1 (the commands docs/deployment.md gives for one host). A completion
+from ``prompt_embeds`` (built by the client from the model's own embedding layer, as vLLM's docs tell clients to)
+equals the completion of the same prompt as text, both served by the containers; /v1/embeddings equals
+sentence-transformers on the host."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.e2e.conftest import MODEL, b64_of
@@ -32,8 +34,10 @@ def gateway() -> Iterator[tuple[str, Containers]]:
                 alias="router", networks=(net,))
         c.start(worker_hf, "--host", "0.0.0.0", "--port", "50061", "--engine", "hf", "--model", "default",
                 "--routers", "router:50081", "--advertise", "worker:50061", alias="worker", networks=(net,))
+        c.start(worker_hf, "--host", "0.0.0.0", "--port", "50091", "--engine", "hf-embed", alias="worker-embed",
+                networks=(net,))
         c.start(services, "python3", "-m", "embedmesh.services.preprocessor.main", "--host", "0.0.0.0",
-                "--port", "50051", "--workers", "worker:50061", "--routers", "router:50081",
+                "--port", "50051", "--workers", "worker:50061,worker-embed:50091", "--routers", "router:50081",
                 alias="preprocessor", networks=(net,))
         gw = c.start(services, "python3", "-m", "embedmesh.gateway.main", "--host", "0.0.0.0", "--port", "8000",
                      "--preprocessor", "preprocessor:50051", alias="gateway", networks=(net, edge), publish=(8000,))
@@ -67,16 +71,11 @@ def _wait_healthy(base: str, c: Containers, timeout: float) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def embeds_of() -> Any:
+def embeds_of(smollm: Any) -> Any:
     """text -> the embedding-layer rows of its token ids, from the host's copy of the same default model."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedmesh.models import ensure_default_model
-
-    path = ensure_default_model()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model, tok = smollm
 
     def make(text: str) -> torch.Tensor:
         ids = tok(text, return_tensors="pt").input_ids
@@ -107,12 +106,14 @@ def test_prompt_embeds_through_the_containers_equal_the_text_prompt(gateway: tup
     assert by_embeds["usage"]["completion_tokens"] == 12
 
 
-def test_the_models_list_names_the_baked_in_model(gateway: tuple[str, Containers]) -> None:
+def test_the_models_list_names_the_baked_in_models(gateway: tuple[str, Containers]) -> None:
     base, _ = gateway
     with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
         models = json.loads(r.read())["data"]
-    assert [m["id"] for m in models] == [MODEL]
-    assert models[0]["ready_workers"] == 1
+    by_id = {m["id"]: m for m in models}
+    assert set(by_id) == {MODEL, "all-MiniLM-L6-v2"}
+    assert by_id[MODEL]["ready_workers"] == by_id["all-MiniLM-L6-v2"]["ready_workers"] == 1
+    assert by_id["all-MiniLM-L6-v2"]["task"] == "embed"
 
 
 def test_structured_output_runs_in_the_worker_image(gateway: tuple[str, Containers]) -> None:
@@ -123,3 +124,18 @@ def test_structured_output_runs_in_the_worker_image(gateway: tuple[str, Containe
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
     out = _complete(base, {"prompt": "A JSON object:", "max_tokens": 60, "response_format": {"type": "json_object"}})
     assert isinstance(json.loads(out["choices"][0]["text"]), dict)
+
+
+def test_embeddings_through_the_containers_equal_the_model(gateway: tuple[str, Containers]) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from embedmesh.models.minilm import minilm_dir
+
+    base, _ = gateway
+    texts = ["The cat sits on the mat.", "Paris is the capital of France."]
+    req = urllib.request.Request(f"{base}/v1/embeddings", data=json.dumps(
+        {"model": "all-MiniLM-L6-v2", "input": texts}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        rows = [d["embedding"] for d in json.loads(r.read())["data"]]
+    expected = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(np.array(rows, dtype=np.float32), expected, atol=1e-5)
