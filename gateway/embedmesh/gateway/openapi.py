@@ -164,6 +164,22 @@ _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                            "description": "an id returned by POST /v1/prompt_embeds, instead of `data`"},
     ("PromptEmbedsUpload", "data"): {"type": "string",
                                      "description": "base64 of a torch.save(tensor) or safetensors file"},
+    ("CompletionRequest", "best_of"): {"description": "only 1 (use n)", "anyOf": [{"const": 1}, {"type": "null"}]},
+    ("ChatRequest", "functions"): {"description": "not supported: use tools",
+                                   "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+    ("ChatRequest", "modalities"): {"description": "text only",
+                                    "anyOf": [{"const": ["text"]}, {"type": "null"}]},
+    **{(model, name): {"anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}]}
+       for model in ("CompletionRequest", "ChatRequest") for name in ("guided_regex", "guided_grammar")},
+    **{(model, "guided_choice"): {"anyOf": [{"type": "array", "minItems": 1, "items": {"type": "string",
+                                                                                       "minLength": 1}},
+                                            {"type": "null"}]} for model in ("CompletionRequest", "ChatRequest")},
+}
+
+# What a body needs beside its fields' own types.
+_BODY_RULES: dict[str, dict[str, Any]] = {
+    "CompletionRequest": {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}],
+                          "description": "`prompt`, `prompt_embeds` or both"},
 }
 
 REQUEST_MODELS: dict[str, type[msgspec.Struct]] = {
@@ -189,6 +205,7 @@ class Operation:
     form: dict[str, Any] | None = None
     query: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: tuple[int, ...] = ()
+    example: dict[str, Any] | None = None
 
 
 def _json(name: str) -> dict[str, dict[str, Any]]:
@@ -200,17 +217,26 @@ _MESH = (400, 403, 404, 409, 501, 503)  # what a mesh service answers, mapped by
 _COMMON_ERRORS = (401, 429, 500, 503)  # API key, tenant's share, a bug, the gateway's in-flight limit
 _PAGE = {"after": _STR, "before": _STR, "limit": {"type": "integer", "minimum": 1, "maximum": 100},
          "order": {"enum": ["asc", "desc"]}}
-_SSE = {"text/event-stream": {"type": "string", "description": "`data: <chunk JSON>` events, then `data: [DONE]`"}}
+# One server-sent event (the schema of each event of the stream, as schemathesis and OpenAPI 3.2's itemSchema read it).
+_SSE = {"text/event-stream": _obj({"data": {"type": "string", "description": "a chunk's JSON (`object`: "
+                                                                            "`text_completion` or "
+                                                                            "`chat.completion.chunk`), or `[DONE]` "
+                                                                            "last"}},
+                                  {"event": _STR, "id": _STR})}
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/completions"): Operation(
         "Create a completion (text, token ids or prompt_embeds)", "inference",
-        {200: {**_json("Completion"), **_SSE}}, body="CompletionRequest", errors=_JSON_IN + _MESH),
+        {200: {**_json("Completion"), **_SSE}}, body="CompletionRequest", errors=_JSON_IN + _MESH,
+        example={"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}),
     ("post", "/v1/chat/completions"): Operation(
         "Create a chat completion (text and prompt_embeds content parts)", "inference",
-        {200: {**_json("ChatCompletion"), **_SSE}}, body="ChatRequest", errors=_JSON_IN + _MESH),
+        {200: {**_json("ChatCompletion"), **_SSE}}, body="ChatRequest", errors=_JSON_IN + _MESH,
+        example={"model": "SmolLM2-135M-Instruct", "max_tokens": 8,
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]}),
     ("post", "/v1/embeddings"): Operation("Create embeddings", "inference", {200: _json("EmbeddingList")},
-                                          body="EmbeddingsRequest", errors=_JSON_IN + _MESH),
+                                          body="EmbeddingsRequest", errors=_JSON_IN + _MESH,
+                                          example={"model": "all-MiniLM-L6-v2", "input": ["hello", "world"]}),
     ("get", "/v1/models"): Operation("List models (loaded LoRA adapters too)", "inference",
                                      {200: _json("ModelList")}, errors=_MESH),
     ("post", "/v1/prompt_embeds"): Operation("Upload a prompt_embeds tensor once, refer to it by id", "inference",
@@ -321,6 +347,8 @@ def _request_components() -> dict[str, dict[str, Any]]:
     for (model, prop), schema in _FIELD_SCHEMAS.items():
         nullable = {"type": "null"} in schema.get("anyOf", ())
         comps[model]["properties"][prop] = {**schema, **({"default": None} if nullable else {})}
+    for model, rule in _BODY_RULES.items():
+        comps[model].update(rule)
     return comps
 
 
@@ -341,7 +369,8 @@ def _operation(method: str, path: str, op: Operation) -> dict[str, Any]:
     if params:
         out["parameters"] = params
     if op.body:
-        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(op.body)}}}
+        media: dict[str, Any] = {"schema": _ref(op.body), **({"example": op.example} if op.example else {})}
+        out["requestBody"] = {"required": True, "content": {"application/json": media}}
     elif op.form:
         out["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": op.form}}}
     return out

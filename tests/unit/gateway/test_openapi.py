@@ -222,3 +222,12 @@ def test_files_vector_stores_and_embeddings_answers_validate() -> None:
         r = ehttp.post("/v1/embeddings", json={"model": "e", "input": "hi", "encoding_format": fmt})
         assert r.status_code == 200
         _check(doc, "post", "/v1/embeddings", r)
+
+
+def test_the_body_examples_are_valid_bodies() -> None:
+    doc = openapi.document(_app().routes)
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            media = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            if "example" in media:
+                _validator(doc, media["schema"]["$ref"].rsplit("/", 1)[1]).validate(media["example"])
