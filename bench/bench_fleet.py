@@ -3,8 +3,11 @@ a simulated paged KV cache that publishes KV events, prefill time from the uncac
 shared-prefix workload (token-id prompts: ``groups`` prefixes, each request a prefix plus its own suffix, sent in
 two seeded waves — the first request of every group, then the rest) through the router in KV-aware, round-robin
 and random mode, each on a fresh fleet; then KV-aware with 3 router replicas, and the same after one replica is
-SIGKILLed. The client is the project's own light driver (``tests/support/fleet.py``: streamed completions through
-the gateway, httpx, ``--concurrency`` at a time). Hit rate is read from the workers (cached / prompt positions).
+SIGKILLed. The KV-aware / round-robin / random comparison is replayed by aiperf (NVIDIA's benchmark client, 0.13.0
+in a venv of its own, ``--aiperf``) as a ``mooncake_trace`` generated here, open loop at ``--rate`` requests/s, when
+that venv exists; otherwise, and for the replica runs, by the project's own light driver (``tests/support/fleet.py``:
+streamed completions through the gateway, httpx, ``--concurrency`` at a time). Hit rate is read from the workers
+(cached / prompt positions).
 
 The oracle is computed offline from the trace and the cache sizes: every group's prefix is computed once and found
 by every later request of that group (the caches hold every group when groups are spread evenly: checked below), so
@@ -43,12 +46,98 @@ from tests.support.fleet import (  # noqa: E402
 from tests.support.load import child_pid  # noqa: E402
 
 BLOCK = 16
+CACHE = Path(os.environ.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
+AIPERF_VENV = CACHE / "venvs" / "aiperf-0.13.0"
 
 
 def oracle_hit(w: Workload) -> float:
     """Hit rate when each group's prefix is computed once and reused by every later request of the group."""
     cached = (w.per_group - 1) * (w.prefix_tokens // BLOCK * BLOCK)
     return cached / (w.per_group * (w.prefix_tokens + w.suffix_tokens))
+
+
+AIPERF_BLOCK = 64
+"""Positions per hash id in the aiperf trace (``--isl-block-size``); the prefix is a whole number of them."""
+
+
+def mooncake_trace(w: Workload, path: Path, rate: float, salt: int = 0) -> int:
+    """The workload as aiperf's ``mooncake_trace`` JSONL (no downloads): each group's prefix is the same hash ids,
+    each request one more id of its own for the suffix; the first wave at ``rate`` per second, a 2 s pause, the
+    rest at ``rate``, in the seeded order of ``Workload.waves``. Returns the number of requests."""
+    import json
+    import random
+
+    rng = random.Random(f"{w.seed}:{salt}")
+    per_prefix = w.prefix_tokens // AIPERF_BLOCK
+    first = [(g, 0) for g in range(w.groups)]
+    rest = [(g, i) for g in range(w.groups) for i in range(1, w.per_group)]
+    rng.shuffle(first)
+    rng.shuffle(rest)
+    lines = []
+    for k, (g, i) in enumerate(first + rest):
+        ids = [1 + g * per_prefix + j for j in range(per_prefix)] + [1_000_000 + salt * 100_000 + g * 1000 + i]
+        at = k * 1000 / rate + (2000 if k >= len(first) else 0)
+        lines.append(json.dumps({"timestamp": round(at), "input_length": w.prefix_tokens + w.suffix_tokens,
+                                 "output_length": w.max_tokens, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def hf_cache_with_tokenizer(root: Path) -> str:
+    """A Hugging Face cache under ``root`` holding the default model's tokenizer as repo ``embedmesh/tokenizer``,
+    so aiperf (whose tokenizer workers force offline mode, where a plain folder path is not accepted) finds it
+    without the network. Returns the repo id."""
+    import shutil
+
+    from embedmesh.models.convert import ensure_default_model
+
+    repo = root / "models--embedmesh--tokenizer"
+    rev = "0" * 40
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(ensure_default_model() / name, snap / name)
+    return "embedmesh/tokenizer"
+
+
+class AiperfRun:
+    """One aiperf ``profile`` replay of the trace through a fleet's gateway: its TTFT, output tokens/s and errors,
+    and the hit rate read from the workers around it."""
+
+    def __init__(self, mesh: object, workers: int, w: Workload, venv: Path, rate: float, work: Path) -> None:
+        import json
+        import subprocess
+
+        cache = work / "hf" / "hub"
+        tokenizer = hf_cache_with_tokenizer(cache)
+        trace = work / "trace.jsonl"
+        self.requests = mooncake_trace(w, trace, rate)
+        out = work / "aiperf"
+        before = worker_counters(mesh, workers)  # type: ignore[arg-type]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+        cmd = [str(venv / "bin" / "aiperf"), "profile", "-m", "mocker", "--url", mesh.base_url,  # type: ignore[attr-defined]
+               "--endpoint-type", "completions", "--streaming", "--input-file", str(trace),
+               "--custom-dataset-type", "mooncake_trace", "--fixed-schedule", "--isl-block-size", str(AIPERF_BLOCK),
+               "--tokenizer", tokenizer, "--use-server-token-count", "--artifact-dir", str(out), "--ui-type", "none"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(f"aiperf failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        self.hit = hit_rate(before, worker_counters(mesh, workers))  # type: ignore[arg-type]
+        d = json.loads((out / "profile_export_aiperf.json").read_text())
+        ttft = d["time_to_first_token"]
+        self.p50, self.p90 = ttft["p50"] / 1000, ttft["p90"] / 1000
+        self.tokens_per_second = d["output_token_throughput"]["avg"]
+        self.failed = int((d.get("error_request_count") or {}).get("avg", 0))
+        self.completed = int(d["request_count"]["avg"])
+
+    def ttft(self, q: float) -> float:
+        return self.p50 if q == .5 else self.p90
+
+    def row(self, name: str) -> str:
+        return (f"| {name} | {self.requests} | {self.failed + self.requests - self.completed} | {self.p50:.3f} | "
+                f"{self.p90:.3f} | {self.tokens_per_second:.0f} | {self.hit:.3f} |")
 
 
 class Run:
@@ -79,12 +168,17 @@ class Run:
 
 
 def fleet_run(workers: int, mode: str, w: Workload, concurrency: int, env: dict[str, str], replicas: int = 1,
-              kill_one: bool = False) -> list[Run]:
+              kill_one: bool = False, aiperf: tuple[Path, float] | None = None) -> list[Run | AiperfRun]:
     mesh = start_fleet(workers, mode, replicas, env)
     try:
         for r in mesh.extra["routers"]:  # type: ignore[attr-defined]
             wait_registered(str(r), workers)
-        runs = [Run(mesh, workers, w, 0, concurrency)]
+        if aiperf is not None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="embedmesh-aiperf-") as work:
+                return [AiperfRun(mesh, workers, w, aiperf[0], aiperf[1], Path(work))]
+        runs: list[Run | AiperfRun] = [Run(mesh, workers, w, 0, concurrency)]
         if kill_one:
             os.kill(child_pid(mesh, "router-1"), signal.SIGKILL)
             runs.append(Run(mesh, workers, w, 1, concurrency))
@@ -102,7 +196,14 @@ def main() -> None:
     ap.add_argument("--prefill-ms", type=float, default=4.0,
                     help="simulated prefill per uncached position: large enough that the workers, not the gateway "
                          "and preprocessor on this machine's cores, bound time to first token")
+    ap.add_argument("--aiperf", default=str(AIPERF_VENV),
+                    help="venv with aiperf==0.13.0 (pip install aiperf==0.13.0 in a venv of its own): when it exists, "
+                         "aiperf replays the workload as a mooncake trace for the KV-aware / round-robin / random "
+                         "comparison; otherwise the light driver does")
+    ap.add_argument("--rate", type=float, default=4.0, help="aiperf: requests per second of the trace")
     a = ap.parse_args()
+    venv = Path(a.aiperf)
+    aiperf = (venv, a.rate) if (venv / "bin" / "aiperf").exists() else None
     workers = a.workers or (8 if a.quick else 32)
     w = Workload(groups=12 if a.quick else 48, per_group=12 if a.quick else 8, prefix_tokens=512, suffix_tokens=32,
                  max_tokens=8)
@@ -120,7 +221,7 @@ def main() -> None:
     runs = {}
     for mode in ("kv", "round-robin", "random"):
         print(f"... {mode}", flush=True)
-        runs[mode] = fleet_run(workers, mode, w, a.concurrency, env)[0]
+        runs[mode] = fleet_run(workers, mode, w, a.concurrency, env, aiperf=aiperf)[0]
     print("... kv with 3 router replicas, then one killed", flush=True)
     three, killed = fleet_run(workers, "kv", w, a.concurrency, env, replicas=3, kill_one=True)
     oracle = oracle_hit(w)
@@ -135,7 +236,10 @@ def main() -> None:
     y = runs["kv"].hit / oracle
     z = three.hit / runs["kv"].hit if runs["kv"].hit else float("nan")
     drop = max(0.0, (three.hit - killed.hit) / three.hit) if three.hit else float("nan")
-    print(f"\nTTFT counts every request of a run (the first wave is cold under every policy); the after-kill figure "
+    driver = (f"aiperf 0.13.0 (mooncake_trace, fixed schedule at {a.rate:g} requests/s)" if aiperf else
+              f"the light driver ({a.concurrency} in flight; no aiperf venv at {venv})")
+    print(f"\nThe KV-aware / round-robin / random rows: {driver}; the replica rows: the light driver.")
+    print(f"TTFT counts every request of a run (the first wave is cold under every policy); the after-kill figure "
           f"is the whole workload run right after the SIGKILL (~{killed.seconds:.0f} s), not a 30 s window.")
     print(f"fleet: rr_over_kv_ttft_p90={x:.2f} hit_over_oracle={y:.3f} replicas3_over_1={z:.3f} "
           f"after_router_kill_drop={drop:.3f}")
