@@ -35,6 +35,8 @@ _checked: OrderedDict[tuple[str, Any], str | None] = OrderedDict()
 _checked_lock = threading.Lock()
 
 
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\]\s+\S+:\d+:\s*")
+
 def _xgrammar() -> Any:
     try:
         import xgrammar
@@ -96,6 +98,9 @@ def _check(s: Structured, field: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
         what = {"json_schema": "JSON schema", "regex": "regular expression", "ebnf": "grammar"}[kind]
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # xgrammar prefixes its C++ log line ("[07:41:50] /project/cpp/grammar_parser.cc:820: "): the client gets
+        # the reason, not the library's clock and build paths
+        first = _XGRAMMAR_LOG_PREFIX.sub("", first)
         return f"cannot be enforced as a {what}: {first[:300]}"
     return None
 
