@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import secrets
 import signal
 import ssl
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from embedmesh import mesh_spec
 from embedmesh.core import callers
 from embedmesh.core.config import Settings, option
+from embedmesh.launch_security import KEY_VARS, OPEN_WARNING, security_env  # noqa: F401 - KEY_VARS, OPEN_WARNING: re-exported
 from embedmesh.services.router.scoring import MODES
 from embedmesh.services.worker.engines import registry
 
@@ -263,48 +263,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.vector_store_data_dir = c.vector_store_data_dir or str(cache / "vector-store")
     a.tls_dir = c.tls_dir or str(cache / "tls")
     return a
-
-
-KEY_VARS = ("EMBEDMESH_API_KEYS", "EMBEDMESH_API_KEY", "EMBEDMESH_API_KEYS_FILE", "EMBEDMESH_ADMIN_KEYS")
-"""Environment variables that turn API keys on (every child inherits them)."""
-
-OPEN_WARNING = ("SECURITY: no API keys — every client on this host can use the mesh; set "
-                "EMBEDMESH_API_KEYS=key=tenant or --api-keys-file, and --tls for mutual TLS")
-
-
-def security_env(a: argparse.Namespace, env: dict[str, str]) -> tuple[dict[str, dict[str, str]], list[str]]:
-    """Per-child security variables (by certificate name) and the lines that say what is on.
-
-    Mutates ``env`` (shared by every child): the keys file and, when TLS or keys are on, a fresh mesh token."""
-    if a.api_keys_file:
-        env["EMBEDMESH_API_KEYS_FILE"] = str(Path(a.api_keys_file).resolve())
-    keys = any(env.get(k) for k in KEY_VARS)
-    per_child: dict[str, dict[str, str]] = {}
-    lines: list[str] = []
-    if a.tls:
-        from embedmesh.core.certs import SERVICE_NAMES, make_mesh_certs
-
-        out = Path(a.tls_dir)
-        hosts = list(dict.fromkeys(["localhost", "127.0.0.1", a.host]))
-        make_mesh_certs(out, SERVICE_NAMES, hosts=hosts)
-        for name in SERVICE_NAMES:
-            per_child[name] = {"EMBEDMESH_TLS_CERT": str(out / f"{name}.pem"),
-                               "EMBEDMESH_TLS_KEY": str(out / f"{name}-key.pem"),
-                               "EMBEDMESH_TLS_CA": str(out / "ca.pem")}
-    if a.tls or keys:
-        env.setdefault("EMBEDMESH_MESH_TOKEN", secrets.token_urlsafe(32))
-    if not keys:
-        lines.append(OPEN_WARNING if not a.tls else OPEN_WARNING.split(", and --tls")[0])
-    else:
-        lines.append("security: API keys required on /v1/* and the public gRPC port")
-    if a.tls:
-        lines.append(f"security: mutual TLS between services (throwaway CA and certificates in {a.tls_dir}; "
-                     f"a client with a mesh certificate uses client.pem/client-key.pem)"
-                     + ("; the gateway serves HTTPS" if a.gateway_tls else "; the gateway serves plain HTTP"))
-    elif keys:
-        lines.append("security: no TLS inside the mesh (add --tls for mutual TLS); internal calls carry a random "
-                     "mesh token")
-    return per_child, lines
 
 
 # glibc keeps large tensor buffers on the heap instead of mmap/munmap per message: 2-3x faster large gRPC
@@ -549,6 +507,37 @@ def _force_stop(procs: list[MeshProcess]) -> None:
         p.proc.wait()
 
 
+def _survivable(p: MeshProcess, procs: list[MeshProcess]) -> str | None:
+    """Why the mesh keeps serving without ``p`` (gone), or None when it cannot: one worker or router replica of
+    several (the router drops the worker; the preprocessors ask the other routers), or the embedding worker."""
+    if p.name == "embed-worker":
+        return "the mesh serves generation without it"
+    for prefix, what in (("worker-", "worker(s)"), ("router", "router replica(s)")):
+        if p.name.startswith(prefix):
+            alive = [q for q in procs if q.name.startswith(prefix) and q.proc.poll() is None]
+            if alive:
+                return f"{len(alive)} {what} still serving"
+    return None
+
+
+def _watch(procs: list[MeshProcess], grace: float) -> int:
+    """Until a child the mesh cannot serve without exits (then stop the rest: exit status 1)."""
+    reported: set[str] = set()
+    while True:
+        for p in procs:
+            if p.proc.poll() is None or p.name in reported:
+                continue
+            reported.add(p.name)
+            why = _survivable(p, procs)
+            if why is not None:
+                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; {why}", flush=True)
+                continue
+            print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
+            stop_all(procs, grace)
+            return 1
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> int:
     signals = _StopSignals()
     a = parse_args(argv)
@@ -578,28 +567,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{next(p.address for p in procs if p.name == 'preprocessor')}",
               flush=True)
         print("[launcher] press Ctrl-C to stop", flush=True)
-        reported: set[str] = set()
-        while True:
-            for p in procs:
-                if p.proc.poll() is None or p.name in reported:
-                    continue
-                reported.add(p.name)
-                workers_alive = [w for w in procs if w.name.startswith("worker-") and w.proc.poll() is None]
-                routers_alive = [r for r in procs if r.name.startswith("router") and r.proc.poll() is None]
-                if (p.name.startswith("worker-") and workers_alive) or p.name == "embed-worker":
-                    # One worker of several is gone: the router drops it and the rest keep serving.
-                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
-                          f"{len(workers_alive)} worker(s) still serving", flush=True)
-                    continue
-                if p.name.startswith("router") and routers_alive:
-                    # One router replica of several is gone: the preprocessors ask the others.
-                    print(f"[launcher] {p.name} exited with code {p.proc.returncode}; "
-                          f"{len(routers_alive)} router replica(s) still serving", flush=True)
-                    continue
-                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
-                stop_all(procs, grace)
-                return 1
-            time.sleep(0.5)
+        return _watch(procs, grace)
     except KeyboardInterrupt:
         print("\n[launcher] stopping (draining in-flight requests)...", flush=True)
         try:

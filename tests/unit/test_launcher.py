@@ -142,42 +142,6 @@ def _args(*argv: str) -> argparse.Namespace:
     return launcher.parse_args(list(argv))
 
 
-def test_an_open_mesh_is_announced_and_gets_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in (*launcher.KEY_VARS, "EMBEDMESH_MESH_TOKEN", "EMBEDMESH_TLS"):
-        monkeypatch.delenv(var, raising=False)
-    env: dict[str, str] = {}
-    per_child, lines = launcher.security_env(_args(), env)
-    assert lines == [launcher.OPEN_WARNING]
-    assert per_child == {} and "EMBEDMESH_MESH_TOKEN" not in env
-
-
-def test_api_keys_get_a_random_mesh_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
-    keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"key": "k-1", "tenant": "a"}]}))
-    tokens = set()
-    for _ in range(2):
-        env = {}
-        _, lines = launcher.security_env(_args("--api-keys-file", str(keys)), env)
-        assert env["EMBEDMESH_API_KEYS_FILE"] == str(keys.resolve())
-        assert len(env["EMBEDMESH_MESH_TOKEN"]) >= 32
-        tokens.add(env["EMBEDMESH_MESH_TOKEN"])
-        assert launcher.OPEN_WARNING not in lines and any("API keys required" in x for x in lines)
-    assert len(tokens) == 2
-
-
-def test_tls_makes_certificates_for_every_child(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
-    env: dict[str, str] = {}
-    per_child, lines = launcher.security_env(_args("--tls", "--tls-dir", str(tmp_path)), env)
-    for name in ("gateway", "preprocessor", "router", "worker", "embed-worker", "vector-store"):
-        files = per_child[name]
-        assert Path(files["EMBEDMESH_TLS_CERT"]) == tmp_path / f"{name}.pem"
-        assert all(Path(files[k]).is_file() for k in ("EMBEDMESH_TLS_CERT", "EMBEDMESH_TLS_KEY", "EMBEDMESH_TLS_CA"))
-    assert env["EMBEDMESH_MESH_TOKEN"]
-    assert any("mutual TLS" in x for x in lines)
-
-
 @pytest.mark.parametrize("tls, holders", [
     (False, {"router", "worker-0", "embed-worker", "preprocessor", "vector-store"}),  # the only credential inside
     (True, {"preprocessor", "vector-store"}),  # certificates inside; the token only on the public port

@@ -30,16 +30,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, callers, tls, wire
+from embedmesh.core import auth, tls, wire
 from embedmesh.core.auth import Access
-from embedmesh.core.errors import (
-    EmbedmeshError,
-    InternalError,
-    InvalidArgument,
-    PermissionDenied,
-    Unauthenticated,
-    to_status,
-)
+from embedmesh.core.authz import Authorizer
+from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
     RPC_IN_FLIGHT,
@@ -314,62 +308,7 @@ async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIte
         yield r
 
 
-def _peer_has_mesh_cert(context: grpc.aio.ServicerContext) -> bool:
-    try:
-        ac = context.auth_context()
-    except Exception:  # noqa: BLE001 - no auth context on plaintext ports
-        return False
-    return bool(ac.get("x509_pem_cert") or ac.get("x509_common_name"))
-
-
-def _md_value(metadata: Any, key: str) -> str:
-    for item in metadata or ():
-        k, v = item if isinstance(item, tuple) else (item.key, item.value)
-        if k == key:
-            return v if isinstance(v, str) else v.decode("latin-1")
-    return ""
-
-
-class _Authorizer:
-    """Authenticates one call for its access level and holds the tenant's concurrency slot while it runs."""
-
-    def __init__(self, access: Access, require_client_cert: bool, method: str = "") -> None:
-        self.access = access
-        self.require_client_cert = require_client_cert
-        self.method = method
-
-    def principal(self, metadata: Any, context: grpc.aio.ServicerContext) -> auth.Principal:
-        """On a port that demands mesh certificates, the certificate's identity decides whether the caller is the
-        mesh for this method (``core/callers.py``), and the mesh token is not a credential there: it is a secret
-        several services hold, a certificate names one. Elsewhere the token is what makes a mesh caller."""
-        sec = tls.current()
-        cert = self.require_client_cert and _peer_has_mesh_cert(context)
-        who: str | None = None
-        if cert:
-            who = callers.identity(context.auth_context())
-            if sec.sidecar and who is not None and who == sec.identity:
-                # our own sidecar: it names the caller whose TLS it terminated (core/callers.py)
-                who = callers.forwarded_identity(_md_value(metadata, callers.XFCC_HEADER)) or who
-            cert = callers.may_call(self.method, who)
-        try:
-            return auth.authenticate(
-                self.access,
-                authorization=_md_value(metadata, "authorization"),
-                mesh_cert=cert,
-                mesh_token=_md_value(metadata, tls.MESH_TOKEN_HEADER),
-                tenant_header=_md_value(metadata, auth.TENANT_HEADER),
-                security_enabled=sec.enabled,
-                token_ok=not self.require_client_cert and sec.token_matches(_md_value(metadata,
-                                                                                      tls.MESH_TOKEN_HEADER)),
-            )
-        except (Unauthenticated, PermissionDenied):
-            if self.require_client_cert and not cert and _peer_has_mesh_cert(context):
-                raise PermissionDenied(callers.describe_refusal(self.method, who), reason="CALLER_NOT_ALLOWED") \
-                    from None
-            raise
-
-
-def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: _Authorizer | None,
+def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: Authorizer | None,
            streaming_in: bool, obs: Observed, owed: list[auth.Principal]) -> Any:
     """Authenticate the call, refuse unparsable request bytes, note a tenant whose limits apply (appended to
     ``owed``: the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its
@@ -410,7 +349,7 @@ async def _drain(requests: Any) -> None:
 
 
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
-                authz: _Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
+                authz: Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
         raw = request
@@ -437,7 +376,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
 
 def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str,
-    authz: _Authorizer | None = None, streaming_in: bool = False,
+    authz: Authorizer | None = None, streaming_in: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
     upload = streaming_in and method in wire.UPLOAD_STREAMS
 
@@ -473,7 +412,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
     not a protobuf of the RPC's type refused as INVALID_ARGUMENT. Built once per method (``Server.add``); each call
     reads its own metadata from its context."""
-    authz = _Authorizer(access, require_client_cert, method) if access is not None else None
+    authz = Authorizer(access, require_client_cert, method) if access is not None else None
     kw = dict(
         request_deserializer=_safe_deserializer(
             wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method),
