@@ -38,6 +38,12 @@ if [[ ${#torch_wheels[@]} -gt 0 ]]; then
   ARGS+=(--build-arg TORCH_INDEX=)
 fi
 
+# A digest of what the builds read, so the runtime stages (which install the build stage's wheels through a bind
+# mount, invisible to podman's layer cache) are rebuilt when the sources change.
+digest="$(find pyproject.toml README.md protos scripts/gen_protos.sh services gateway deploy/docker/requirements \
+  -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)"
+ARGS+=(--build-arg "SOURCE_DIGEST=$digest")
+
 mkdir -p "$CACHE/images/logs"
 for kind in "${KINDS[@]}"; do
   [[ -f "deploy/docker/Dockerfile.$kind" ]] || { echo "no deploy/docker/Dockerfile.$kind" >&2; exit 2; }

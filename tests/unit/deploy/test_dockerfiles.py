@@ -202,3 +202,14 @@ def test_the_engine_images_install_what_the_tested_venvs_install(kind: str, scri
         pin = re.search(r"==([\w.]+)", spec)
         if pin:
             assert re.search(rf"=={re.escape(pin.group(1))}(\+\w+)?$", image[name]), (spec, image[name])
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_runtime_install_is_keyed_by_the_sources(dockerfile: Path) -> None:
+    # podman's layer cache does not look into a bind-mounted stage: without the digest argument before it, the
+    # runtime stage's install of the build stage's wheels would stay cached after the sources changed.
+    steps = _instructions(dockerfile)
+    final = steps[[i for i, (word, _) in enumerate(steps) if word == "FROM"][-1]:]
+    install = next(i for i, (word, arg) in enumerate(final) if word == "RUN" and "from=build" in arg)
+    assert ("ARG", "SOURCE_DIGEST=") in final[:install]
+    assert '--build-arg "SOURCE_DIGEST=$digest"' in (ROOT / "scripts" / "images.sh").read_text()
