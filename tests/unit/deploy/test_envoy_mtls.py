@@ -15,6 +15,7 @@ certificates from ``embedmesh.core.certs`` naming what the config demands (the r
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -54,6 +56,35 @@ def _admin(port: int, path: str) -> str:
         return ""
 
 
+@contextlib.contextmanager
+def _router_behind_envoy(tmp_path: Path, router_port: int, cert: Path, key: Path, ca: Path, config: dict[str, Any],
+                         *router_flags: str) -> Iterator[list[Path]]:
+    """A real TLS-only router on ``router_port`` and a real Envoy running ``config``; stopped on leaving. Yields
+    their log files."""
+    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(config))
+    logs = [tmp_path / "router.log", tmp_path / "envoy.log"]
+    procs = []
+    try:
+        with open(logs[0], "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
+                 str(router_port), "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca),
+                 *router_flags], stdout=out, stderr=subprocess.STDOUT))
+        with open(logs[1], "wb") as out:
+            procs.append(subprocess.Popen(
+                [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
+                stdout=out, stderr=subprocess.STDOUT))
+        yield logs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 @pytest.fixture
 def mtls_egress(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
     """(egress port, Envoy admin port, PKI dir) of a real Envoy in front of a real TLS-only router."""
@@ -70,31 +101,12 @@ def mtls_egress(tmp_path: Path) -> Iterator[tuple[int, int, Path]]:
     router_port, egress, admin = free_port(), free_port(), free_port()
     config = gen.loopback(mesh(), listen_port=egress, endpoints=[f"127.0.0.1:{router_port}"], admin_port=admin,
                           service="router", tls_dir=str(tls))
-    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(config))
-    logs = [tmp_path / "router.log", tmp_path / "envoy.log"]
-    procs = []
-    try:
-        with open(logs[0], "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
-                 str(router_port), "--tls-cert", str(pki / "router.pem"), "--tls-key", str(pki / "router-key.pem"),
-                 "--tls-ca", str(pki / "ca.pem")], stdout=out, stderr=subprocess.STDOUT))
-        with open(logs[1], "wb") as out:
-            procs.append(subprocess.Popen(
-                [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
-                stdout=out, stderr=subprocess.STDOUT))
+    with _router_behind_envoy(tmp_path, router_port, pki / "router.pem", pki / "router-key.pem", pki / "ca.pem",
+                              config) as logs:
         _wait("Envoy's TLS health check marking the router healthy",
               lambda: f"router::127.0.0.1:{router_port}::health_flags::healthy" in _admin(admin, "/clusters"),
               logs)
         yield egress, admin, pki
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_health_checks_and_calls_pass_over_mutual_tls(mtls_egress: tuple[int, int, Path]) -> None:
@@ -147,20 +159,8 @@ def test_the_ingress_names_the_caller_and_the_app_behind_it_authorizes_that_call
                            tls=gen._upstream_tls(str(tls), pod_name))
     config = {"admin": {"address": gen._address("127.0.0.1", admin)},
               "static_resources": {"listeners": [listener], "clusters": [cluster]}}
-    (tmp_path / "envoy.yaml").write_text(yaml.safe_dump(config))
-    logs = [tmp_path / "router.log", tmp_path / "envoy.log"]
-    procs = []
-    try:
-        with open(logs[0], "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "embedmesh.services.router.main", "--host", "127.0.0.1", "--port",
-                 str(router_port), "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"),
-                 "--tls-ca", str(tls / "ca.crt"), "--tls-sidecar"], stdout=out, stderr=subprocess.STDOUT))
-        with open(logs[1], "wb") as out:
-            procs.append(subprocess.Popen(
-                [tool("envoy"), "-c", str(tmp_path / "envoy.yaml"), "--disable-hot-restart", "--log-level", "warn"],
-                stdout=out, stderr=subprocess.STDOUT))
-
+    with _router_behind_envoy(tmp_path, router_port, tls / "tls.crt", tls / "tls.key", tls / "ca.crt", config,
+                              "--tls-sidecar") as logs:
         def call(name: str, forged: bool = False) -> grpc.StatusCode:
             creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(),
                                                  (pki / f"{name}-key.pem").read_bytes(),
@@ -176,17 +176,7 @@ def test_the_ingress_names_the_caller_and_the_app_behind_it_authorizes_that_call
                     return e.code()
                 return grpc.StatusCode.OK
 
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while call("preprocessor") != grpc.StatusCode.OK:  # the router and Envoy are up
-            assert time.monotonic() < deadline, "\n".join(p.read_text()[-2000:] for p in logs if p.exists())
-            time.sleep(0.2)
+        _wait("the router answering a preprocessor through its ingress",
+              lambda: call("preprocessor") == grpc.StatusCode.OK, logs)
         assert call("gateway") == grpc.StatusCode.PERMISSION_DENIED
         assert call("gateway", forged=True) == grpc.StatusCode.PERMISSION_DENIED  # the sidecar drops the forgery
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
