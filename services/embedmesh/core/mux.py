@@ -10,6 +10,11 @@ each response message to ``on_message``; when the call ends (the peer ended it, 
 ``on_end`` gets the error (None for a clean end) and the session is ``closed``: the owner opens a new one for the
 next request.
 
+A write that meets a call the peer has just ended (it drained, or died) is refused by gRPC's core, and grpc.aio then
+replaces the call's real status with INTERNAL "Internal error from Core". That is not an error of the peer: the
+session reports it as UNAVAILABLE (``CUT_WHILE_WRITING``) and sets ``cut_while_writing``, so an owner can tell the
+requests the peer never answered (retry them elsewhere) from those it had started on.
+
 The call is opened from an empty context (it outlives the request that opened it: no request's trace context or
 principal rides on it) on a channel without client interceptors (an intercepted stream writes through an extra
 queue and task); credentials go as call metadata (``plain_mesh_channel``).
@@ -27,7 +32,12 @@ import grpc
 from embedmesh.core.errors import rpc_error
 from embedmesh.core.wire import varint
 
-__all__ = ["MuxSession", "entry"]
+__all__ = ["MuxSession", "entry", "CUT_WHILE_WRITING"]
+
+CUT_WHILE_WRITING = "the stream ended while a request was being written to it"
+
+_CORE_REFUSED = "Internal error from Core"
+"""The details grpc.aio gives a call whose write its core refused (the call had ended); see the module docstring."""
 
 
 def entry(field: int, message: bytes) -> bytes:
@@ -42,6 +52,8 @@ class MuxSession:
     def __init__(self, open_call: Callable[[], Any], on_message: Callable[[Any], None],
                  on_end: Callable[[grpc.aio.AioRpcError | None], None]) -> None:
         self.closed = False
+        self.cut_while_writing = False
+        """The call ended while a write was refused: its status was lost (see the module docstring)."""
         self._pending: list[bytes] = []
         self._flush = asyncio.Event()
         self._on_message = on_message
@@ -86,6 +98,9 @@ class MuxSession:
                 self._on_message(message)
         except grpc.aio.AioRpcError as e:
             error = e
+            if e.code() == grpc.StatusCode.INTERNAL and e.details() == _CORE_REFUSED:
+                self.cut_while_writing = True
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE, CUT_WHILE_WRITING)
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the stream was closed")
             raise

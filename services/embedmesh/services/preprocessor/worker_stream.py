@@ -8,7 +8,8 @@ it when no longer wanted (a cancel frame tells the worker to abort it).
 
 The stream opens on first use and re-opens on the next generation after it ends. When it ends — the worker died
 (transport error), drained (it ends its streams once idle) or refused the method — every generation still on it
-fails with that status (UNAVAILABLE ``WORKER_DRAINING`` when the stream ended cleanly), which the pipeline retries
+fails with that status (UNAVAILABLE ``WORKER_DRAINING`` when the stream ended cleanly, and for the generations not
+yet answered when the stream was cut as a frame was written — ``core.mux.CUT_WHILE_WRITING``), which the pipeline retries
 on another worker when nothing was sent yet. A worker that does not know GenerateMany (UNIMPLEMENTED: an older
 worker during a rolling upgrade) is remembered, and its generations, this one included, go as ``Generate`` calls.
 
@@ -72,8 +73,11 @@ class Generation:
         self._event = asyncio.Event()
         self._done = False
         self._error: grpc.aio.AioRpcError | None = None
+        self.answered = False
+        """The worker answered something for this generation (it had started on it)."""
 
     def _deliver(self, result: worker_pb2.GenerateResult) -> None:
+        self.answered = True
         kind = result.WhichOneof("result")
         if kind == "response":
             self._queue.append(result.response)
@@ -155,7 +159,12 @@ class _Session:
             self.unsupported = True
             self._on_unimplemented()
         for sink in list(self.sinks.values()):
-            sink._end(error or _ENDED)
+            if error is None or (self._mux.cut_while_writing and not sink.answered):
+                # Ended cleanly, or cut as a frame was written and this generation had no answer yet: the worker is
+                # going away before starting it, so it fails as draining (retried elsewhere, not "lost").
+                sink._end(_ENDED)
+            else:
+                sink._end(error)
         self.sinks.clear()
 
     def close(self) -> None:

@@ -350,3 +350,53 @@ def test_bytes_that_are_not_frames_end_the_stream_with_invalid_argument() -> Non
             await server._server.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_stream_cut_as_a_frame_is_written_fails_unanswered_generations_as_draining_and_started_ones_as_lost() -> None:
+    """grpc.aio reports a write its core refused (the worker ended the stream at that moment) as INTERNAL with the
+    worker's status lost: a generation the worker never answered is retried elsewhere (draining); one it had started
+    on fails as lost (UNAVAILABLE, no WORKER_DRAINING), never INTERNAL."""
+    from embedmesh.services.preprocessor.worker_stream import _Session
+
+    started = worker_pb2.GenerateManyResponse(results=[worker_pb2.GenerateResult(
+        id=1, response=worker_pb2.GenerateResponse(text="x"))])
+
+    class CutCall:
+        def __init__(self) -> None:
+            self._cut = asyncio.Event()
+
+        @staticmethod
+        def _error() -> grpc.aio.AioRpcError:
+            return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                        "Internal error from Core")
+
+        async def write(self, data: bytes) -> None:
+            self._cut.set()
+            raise self._error()
+
+        def __aiter__(self) -> AsyncIterator[Any]:
+            return self._messages()
+
+        async def _messages(self) -> AsyncIterator[Any]:
+            yield started
+            await self._cut.wait()
+            raise self._error()
+
+        def cancel(self) -> bool:
+            return False
+
+    async def run() -> None:
+        from embedmesh.services.preprocessor.worker_stream import Generation
+
+        session = _Session(CutCall, lambda: None)
+        running, waiting = (Generation(session, session.next_id(), lambda: None) for _ in range(2))
+        session.sinks.update({1: running, 2: waiting})
+        assert (await running.__anext__()).text == "x"
+        session.send(b"frame")
+        for generation, drained in ((running, False), (waiting, True)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(_text(generation), 5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (from_rpc_error(info.value).reason == "WORKER_DRAINING") is drained
+
+    asyncio.run(run())
