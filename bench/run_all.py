@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 import docs_writer  # noqa: E402  (a sibling module; bench/ is not a package)
 
 SCRIPTS = ["bench_fastpath.py", "bench_cpu.py", "bench_mesh.py", "bench_encoder_cache.py", "bench_router.py",
-           "bench_clients.py",
+           "bench_peers.py", "bench_clients.py",
            "bench_embeddings.py", "bench_vector_store.py",
            "bench_vector_search_e2e.py", "bench_vllm.py", "overload.py", "bench_openai_surface.py",
            "bench_structured.py", "bench_lora.py", "bench_fleet.py", "bench_fairshare.py"]
