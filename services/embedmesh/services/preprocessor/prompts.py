@@ -12,6 +12,7 @@ from embedmesh.core.context import TOKENS, check_context
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
+from embedmesh.services.preprocessor.token_cache import DEFAULT_CACHE_BYTES, TokenCache, safe_splitter
 
 __all__ = ["Piece", "Prompt", "Tokenizer", "build_prompts", "check_prompt"]
 
@@ -41,12 +42,19 @@ class Prompt:
 class Tokenizer:
     """The model's fast tokenizer, loaded from tokenizer.json (no transformers, no torch)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(folder / "tokenizer.json"))
+        added = list(self._tok.get_added_tokens_decoder().values())
+        self.cache = TokenCache(lambda text: self._tok.encode(text, add_special_tokens=False).ids,
+                                safe_splitter(added), cache_bytes)
+        """Token ids of rendered text pieces by content (``token_cache``): what a prompt shares with earlier ones
+        (a system prompt, earlier turns) is not tokenized again."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        if not add_special_tokens:
+            return self.cache.encode(text)
         return tuple(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: tuple[int, ...] | list[int]) -> str:
