@@ -122,7 +122,7 @@ CHAT_CASES = [
      "messages[0].content[0]"),
     ("placeholder typed in text", lambda e: [{"role": "user", "content": "fill <|prompt_embeds|> please"}],
      "messages[0].content"),
-    ("unknown part type", lambda e: [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ("unknown part type", lambda e: [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
      "messages[0].content[0].type"),
     ("empty conversation", lambda e: [], "messages"),
     ("unknown role", lambda e: [{"role": "wizard", "content": "hi"}], "messages[0].role"),

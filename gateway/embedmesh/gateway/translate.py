@@ -25,6 +25,7 @@ from embedmesh.gateway.requests import (
     IGNORED_FIELDS,
     ChatRequest,
     CompletionRequest,
+    ImagePart,
     TextPart,
     decode_base64,
     known_fields,
@@ -169,6 +170,9 @@ def chat_params(body: dict[str, Any], blobs: list[bytes] | None = None) -> infer
             for part in content:
                 if isinstance(part, TextPart):
                     msg.parts.append(inference_pb2.ChatContentPart(text=part.text))
+                elif isinstance(part, ImagePart):
+                    msg.parts.append(inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(
+                        url=part.image_url)))
                 else:
                     msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(part.data, blobs)))
         params.messages.append(msg)

@@ -156,6 +156,6 @@ def decode_image(data: bytes | memoryview, field: str, limits: ImageLimits) -> D
     if pixels.shape != (height, width, 3):
         raise _refuse(field, f"the {fmt} file decoded to an unexpected shape {pixels.shape}", "BAD_IMAGE")
     h = blake3.blake3(f"{width}x{height}:".encode())
-    h.update(np.ascontiguousarray(pixels).data)
+    h.update(np.ascontiguousarray(pixels).reshape(-1).data)
     pixels.setflags(write=False)
     return DecodedImage(pixels, fmt, h.hexdigest())

@@ -173,3 +173,13 @@ def test_require_object(body: Any) -> None:
     assert (e.value.status, e.value.message, e.value.code) == (400, "the request body must be a JSON object",
                                                                "invalid_json")
     assert require_object({"a": 1}) == {"a": 1}
+
+
+def test_an_image_url_part_goes_to_the_preprocessor_as_its_url_in_place() -> None:
+    url = "data:image/png;base64,iVBORw0KGgo="
+    params = chat_params({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": url, "detail": "low"}}]}]})
+    parts = params.messages[0].parts
+    assert [p.WhichOneof("kind") for p in parts] == ["text", "image"]
+    assert parts[1].image.url == url

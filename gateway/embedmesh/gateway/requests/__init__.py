@@ -8,7 +8,7 @@ becomes an OpenAI 400 naming its ``param``.
 """
 
 from embedmesh.gateway.requests.adapter import LoadLoraRequest, UnloadLoraRequest
-from embedmesh.gateway.requests.chat import ChatRequest, TextPart
+from embedmesh.gateway.requests.chat import ChatRequest, ImagePart, TextPart
 from embedmesh.gateway.requests.completion import CompletionRequest
 from embedmesh.gateway.requests.embedding import EmbeddingsRequest
 from embedmesh.gateway.requests.fields import IGNORED_FIELDS, decode_base64
@@ -23,6 +23,7 @@ __all__ = [
     "parse_item",
     "CompletionRequest",
     "ChatRequest",
+    "ImagePart",
     "TextPart",
     "EmbeddingsRequest",
     "LoadLoraRequest",

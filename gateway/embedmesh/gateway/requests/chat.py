@@ -65,14 +65,42 @@ class EmbedsPart(Model, kw_only=True, tag_field="type", tag="prompt_embeds"):
     always = frozenset({"data"})
 
 
+_IMAGE_URL = 'must be an object {"url": "data:image/png;base64,..."} (PNG, JPEG or WebP)'
+_DETAILS = ("auto", "low", "high")
+
+
+def _check_image_part(obj: Any) -> None:
+    """-> ``image_url`` the URL string (the preprocessor decodes it, within its caps)."""
+    v = obj.image_url
+    if not isinstance(v, dict):
+        raise Refusal("image_url", _IMAGE_URL, "missing" if v is None else "invalid_type")
+    url = v.get("url")
+    if not isinstance(url, str) or not url:
+        raise Refusal("image_url.url", "is required: a data: URL (data:image/png;base64,...) or an http(s) URL",
+                      "missing" if url is None else "invalid_type")
+    detail = v.get("detail")
+    if detail is not None and detail not in _DETAILS:
+        raise Refusal("image_url.detail", f"must be one of {list(_DETAILS)}", "invalid_value")
+    obj.image_url = url
+
+
+class ImagePart(Model, kw_only=True, tag_field="type", tag="image_url"):
+    image_url: Any = None
+
+    checks = {"image_url": _check_image_part}
+    always = frozenset({"image_url"})
+
+
 def _part_message(v: Any, obj: Any) -> str:
     if not isinstance(v, dict):
         return "must be an object with a type"
-    return (f"unsupported content part type {v.get('type')!r}; this server accepts 'text' and 'prompt_embeds'")
+    return (f"unsupported content part type {v.get('type')!r}; this server accepts 'text', 'prompt_embeds' and "
+            "'image_url'")
 
 
-Part = Annotated[TextPart | EmbedsPart, Say(_part_message, lambda v, o: "unsupported_type" if isinstance(v, dict)
-                                            else "invalid_type", lambda v: ".type" if isinstance(v, dict) else "")]
+Part = Annotated[TextPart | EmbedsPart | ImagePart,
+                 Say(_part_message, lambda v, o: "unsupported_type" if isinstance(v, dict) else "invalid_type",
+                     lambda v: ".type" if isinstance(v, dict) else "")]
 
 
 def _check_tool_calls(obj: Any) -> None:

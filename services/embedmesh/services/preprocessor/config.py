@@ -79,6 +79,19 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     lora_load_on_demand: bool = option(False, aliases=("EMBEDMESH_LORA_LOAD_ON_DEMAND",))
     """A request naming a LoRA adapter that no healthy worker holds (but one held since start) loads it on the
     least-loaded worker of its model first; off: such a request is refused."""
+    image_encoder: str = option("efficientnet-lite0", choices=("efficientnet-lite0", "off"))
+    """The encode stage for chat ``image_url`` parts (docs/images.md): ``efficientnet-lite0`` = an ImageNet
+    classifier + a training-free projector into the model's own input embeddings (a soft prompt of class names, built
+    from the served model's folder on the first image); ``off`` = image parts are refused."""
+    max_image_bytes: int = 20 * MiB
+    """Cap on one image file (after base64 decoding), checked before decoding."""
+    max_image_pixels: int = 4096 * 4096
+    """Cap on one image's width x height, read from its header before the pixels are decoded."""
+    image_url_hosts: tuple[str, ...] = option((), metavar="host")
+    """Hosts whose http(s) image URLs the preprocessor fetches (exact names, comma-separated); empty = none, only
+    inline data: URLs (a server fetching any URL a client names could be made to call internal addresses)."""
+    image_fetch_timeout_seconds: float = 10.0
+    """Deadline for fetching one http(s) image (with --image-url-hosts)."""
 
     def __post_init__(self) -> None:
         from embedmesh.services.preprocessor.tools import PARSERS
@@ -105,5 +118,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_inflight must be >= 1")
         if self.fair_share_slots < 0:
             raise ValueError("fair_share_slots must be >= 0")
+        if self.max_image_bytes < 1024 or self.max_image_pixels < 1:
+            raise ValueError("max_image_bytes must be >= 1024 and max_image_pixels >= 1")
+        if not self.image_fetch_timeout_seconds > 0:
+            raise ValueError("image_fetch_timeout_seconds must be > 0")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")

@@ -31,6 +31,8 @@ from embedmesh.services.router.main import sweep_forever
 from embedmesh.services.router.route_client import RouteClient, Routes
 from embedmesh.services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from embedmesh.services.router.servicer import RouterServicer
+from embedmesh.vision.decode import ImageLimits
+from embedmesh.vision.stage import VisionStage
 
 log = get_logger("embedmesh.preprocessor")
 
@@ -83,7 +85,7 @@ async def serve(config: PreprocessorConfig) -> None:
                                                             for name, f in config.model_tokenizers})
     domain = InferenceDomain(pool, cache, models, Limits(max_n=config.max_n, max_prompts=config.max_prompts,
                                                          max_embeds_bytes=config.max_embeds_bytes), router,
-                             FairShare(config.fair_share_slots))
+                             FairShare(config.fair_share_slots), vision_stage(config, cache, folder))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,
                InferenceServicer(domain, MeshAdmin(pool, config.routers), config.max_inflight), SERVICE_NAME,
@@ -113,6 +115,15 @@ async def serve(config: PreprocessorConfig) -> None:
     follower.cancel()
     if sweeper is not None:
         sweeper.cancel()
+
+
+def vision_stage(config: PreprocessorConfig, cache: TieredCache, default_folder: Path) -> VisionStage:
+    """The encode stage for image parts: each served model's folder (the one its tokenizer comes from) gives the
+    input embeddings the projector writes into; built on the first image, so start-up loads no vision weights."""
+    folders = {name: Path(f) for name, f in config.model_tokenizers}
+    return VisionStage(cache, limits=ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels),
+                       folder_of=lambda model: folders.get(model, Path(default_folder)), encoder=config.image_encoder,
+                       hosts=config.image_url_hosts, fetch_timeout_seconds=config.image_fetch_timeout_seconds)
 
 
 def public_message_cap(config: PreprocessorConfig) -> int:

@@ -52,6 +52,7 @@ from embedmesh.services.preprocessor.tools import (
 )
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import Routes
+from embedmesh.vision.stage import ImageSource, VisionStage
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["Limits", "ServedModel", "ServedModels", "CompletionRequest", "ChatPartRequest", "ChatMessageRequest",
@@ -146,10 +147,11 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class ChatPartRequest:
-    """A text part, or a prompt_embeds part (``embeds`` set)."""
+    """A text part, a prompt_embeds part (``embeds`` set) or an image part (``image`` set)."""
 
     text: str = ""
     embeds: RawEmbeds | None = None
+    image: ImageSource | None = None
 
 
 @dataclass(frozen=True)
@@ -209,13 +211,16 @@ class InferenceDomain:
     """Completions, chat and embeddings over the worker pool (see the module docstring for the order of rules)."""
 
     def __init__(self, pool: WorkerPool, cache: TieredCache, models: ServedModels, limits: Limits,
-                 router: Routes | None = None, fair: FairShare | None = None) -> None:
+                 router: Routes | None = None, fair: FairShare | None = None,
+                 vision: VisionStage | None = None) -> None:
         self.pool = pool
         self.cache = cache
         self.models = models
         self.limits = limits
         self.router = router
         self.fair = fair or FairShare(0)
+        self.vision = vision
+        """The encode stage for image parts (``embedmesh.vision``); None: image parts are refused."""
 
     # --- completions and chat -------------------------------------------------------------------------------------
     async def complete(self, request: CompletionRequest) -> Completion:
@@ -311,6 +316,8 @@ class InferenceDomain:
                 if part.embeds is not None:
                     name = f"messages[{i}].content[{j}]"
                     parts.append(ChatPart(embeds=await resolve(part.embeds, name)))
+                elif part.image is not None:
+                    parts.append(ChatPart(embeds=await self._image_rows(part.image, model, sampling, i, j)))
                 elif m.role == "tool":
                     parts.append(ChatPart(text=tool_response_text(part.text)))
                 else:
@@ -326,6 +333,16 @@ class InferenceDomain:
                                          tools=tools)
         rid = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return Job(rid, request.model, [prompt], sampling, n, model.info.dtype, tools=tools, **model.job_fields())
+
+    async def _image_rows(self, image: ImageSource, model: ServedModel, sampling: SamplingParams, i: int,
+                          j: int) -> np.ndarray:
+        """An image part -> rows for ``model`` (the encode stage; its rows then travel as a prompt_embeds part's)."""
+        field = f"messages[{i}].content[{j}]." + ("image.data" if image.data is not None else "image_url")
+        if self.vision is None:
+            raise InvalidArgument(f"{field}: images are not accepted by this server", field=field,
+                                  reason="IMAGES_DISABLED")
+        return await self.vision.rows(image, model=model.info.model, spec=model.spec, field=field,
+                                      max_tokens=sampling.max_tokens)
 
     async def _items(self, job: Job) -> AsyncIterator[Delta | Usage]:
         """The job's deltas and usage; ``max_tokens: 0`` without prompt scoring needs no worker (echo only)."""

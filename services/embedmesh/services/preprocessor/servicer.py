@@ -34,6 +34,7 @@ from embedmesh.services.preprocessor.service import (
 )
 from embedmesh.services.preprocessor.tools import tool_request_from_proto
 from embedmesh.tensor.v1 import tensor_pb2
+from embedmesh.vision.stage import ImageSource
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["InferenceServicer", "Admission"]
@@ -302,14 +303,23 @@ def _completion_request(params: inference_pb2.CompletionParams) -> CompletionReq
         echo=params.echo, request_id=params.request_id)
 
 
+def _chat_part(part: inference_pb2.ChatContentPart, i: int, j: int) -> ChatPartRequest:
+    kind = part.WhichOneof("kind")
+    if kind == "prompt_embeds":
+        return ChatPartRequest(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]"))
+    if kind == "image":
+        image = part.image
+        return ChatPartRequest(image=ImageSource(url=image.url) if image.WhichOneof("source") != "data"
+                               else ImageSource(data=image.data))
+    return ChatPartRequest(text=part.text)
+
+
 def _chat_request(params: inference_pb2.ChatParams) -> ChatRequest:
     return ChatRequest(
         model=params.model, sampling=params.sampling, n=params.n if params.HasField("n") else None,
         messages=[ChatMessageRequest(
             role=m.role, name=m.name, tool_call_id=m.tool_call_id,
-            parts=[ChatPartRequest(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]"))
-                   if part.WhichOneof("kind") == "prompt_embeds" else ChatPartRequest(text=part.text)
-                   for j, part in enumerate(m.parts)],
+            parts=[_chat_part(part, i, j) for j, part in enumerate(m.parts)],
             tool_calls=[(c.name, c.arguments) for c in m.tool_calls]) for i, m in enumerate(params.messages)],
         tools=tool_request_from_proto(params), request_id=params.request_id)
 

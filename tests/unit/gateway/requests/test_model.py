@@ -83,9 +83,20 @@ REFUSED = [
     (ChatRequest, {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be an integer in [0, 20]",
      "top_logprobs", "invalid_value"),
     (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "input_audio"}]}]},
+     "messages[0].content[1].type: unsupported content part type 'input_audio'; this server accepts 'text', "
+     "'prompt_embeds' and 'image_url'", "messages[0].content[1].type", "unsupported_type"),
+    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                       {"type": "image_url"}]}]},
-     "messages[0].content[1].type: unsupported content part type 'image_url'; this server accepts 'text' and "
-     "'prompt_embeds'", "messages[0].content[1].type", "unsupported_type"),
+     'messages[0].content[1].image_url: must be an object {"url": "data:image/png;base64,..."} (PNG, JPEG or WebP)',
+     "messages[0].content[1].image_url", "missing"),
+    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url: is required: a data: URL (data:image/png;base64,...) or an http(s) URL",
+     "messages[0].content[0].image_url.url", "missing"),
+    (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:x", "detail": "max"}}]}]},
+     "messages[0].content[0].image_url.detail: must be one of ['auto', 'low', 'high']",
+     "messages[0].content[0].image_url.detail", "invalid_value"),
     (ChatRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "prompt_embeds"}]}]},
      "messages[0].content[0].data: is required for a prompt_embeds part (base64 of torch.save(tensor)), or give the "
      "id of an upload", "messages[0].content[0].data", "missing"),
