@@ -30,10 +30,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, tls, wire
+from embedmesh.core import auth, inbound, tls, wire
 from embedmesh.core.auth import Access
 from embedmesh.core.authz import Authorizer
-from embedmesh.core.errors import EmbedmeshError, InternalError, InvalidArgument, to_status
+from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
     RPC_IN_FLIGHT,
@@ -80,7 +80,8 @@ class ServerOptions:
     """Port of the Prometheus /metrics endpoint; 0 = none."""
     public: bool = False
     """A port outside clients reach (the preprocessor's): with TLS it does not demand a client certificate
-    (clients authenticate with API keys; mesh callers with the mesh token). Internal ports demand one."""
+    (clients authenticate with API keys; mesh callers with the mesh token). Internal ports demand one. A unary
+    request on it is read only once its caller is authenticated (``core/inbound.py``)."""
 
 
 KEEPALIVE_MS = 30_000
@@ -274,51 +275,18 @@ class Observed:
             TENANT_REQUESTS.labels(service_name(), self.tenant, self.code).inc()
 
 
-class _BadMessage:
-    """Stands in for a request whose bytes did not parse as the RPC's protobuf message."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _safe_deserializer(deserialize: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
-    """Parse request bytes; bytes that are not the method's message become a ``_BadMessage`` (the handler then
-    answers INVALID_ARGUMENT) instead of gRPC's UNKNOWN/INTERNAL."""
-    if deserialize is None:
-        return None
-
-    def parse(raw: bytes) -> Any:
-        try:
-            return deserialize(raw)
-        except Exception as e:  # noqa: BLE001 - DecodeError and friends: the client's bytes, not our bug
-            return _BadMessage(type(e).__name__)
-
-    return parse
-
-
-def _bad_message(method: str, m: _BadMessage) -> InvalidArgument:
-    return InvalidArgument(f"request: the bytes sent to {method} are not a valid protobuf message of its request "
-                           f"type ({m.error})", field="request", reason="MALFORMED_MESSAGE")
-
-
-async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
-    async for r in requests:
-        if isinstance(r, _BadMessage):
-            raise _bad_message(method, r)
-        yield r
-
-
-def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadata: Any, authz: Authorizer | None,
-           streaming_in: bool, obs: Observed, owed: list[auth.Principal]) -> Any:
-    """Authenticate the call, refuse unparsable request bytes, note a tenant whose limits apply (appended to
-    ``owed``: the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its
-    principal; returns the request to hand on."""
-    principal = authz.principal(metadata, context) if authz else auth.current_principal()
-    obs.tenant = principal.tenant
+async def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, principal: auth.Principal,
+                 authz: Authorizer | None, streaming_in: bool, one: bool, owed: list[auth.Principal]) -> Any:
+    """For an authenticated call: read a unary request served as a stream (``one``: only now, see
+    ``core/inbound.py``), refuse unparsable request bytes, note a tenant whose limits apply (appended to ``owed``:
+    the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its principal;
+    returns the request to hand on."""
+    if one:
+        request = await inbound.first_message(request, method)
     if streaming_in:
-        request = _checked_stream(request, method)
-    elif isinstance(request, _BadMessage):
-        raise _bad_message(method, request)
+        request = inbound.checked_stream(request, method)
+    elif isinstance(request, inbound.BadMessage):
+        raise inbound.bad_message(method, request)
     elif isinstance(request, wire.WireRequest):  # tensors kept as views of the request bytes (core.wire)
         wire.set_tensor_views(request.views)
         request = request.message
@@ -328,36 +296,26 @@ def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, metadat
     return request
 
 
-DRAIN_MESSAGES = 4096
-DRAIN_SECONDS = 10.0
+def _caller(context: grpc.aio.ServicerContext, metadata: Any, authz: Authorizer | None,
+            obs: Observed) -> auth.Principal:
+    """Who calls, from the metadata alone (no message read yet when the request is a stream)."""
+    principal = authz.principal(metadata, context) if authz else auth.current_principal()
+    obs.tenant = principal.tenant
+    return principal
 
 
-async def _drain(requests: Any) -> None:
-    """Read and drop what the client still sends on an upload stream being refused (at most ``DRAIN_MESSAGES``
-    messages, for at most ``DRAIN_SECONDS``) before the refusal is sent: a grpc.aio client whose write fails because
-    the call already ended reports its own INTERNAL ("Internal error from Core") instead of the refusal — a 500 at
-    the gateway for an upload it forwards. A one-message request is read whole before any check runs, too."""
-    try:
-        async with asyncio.timeout(DRAIN_SECONDS):
-            count = 0
-            async for _ in requests:
-                count += 1
-                if count >= DRAIN_MESSAGES:
-                    return
-    except Exception:  # noqa: BLE001 - timed out, or the stream cannot be read any more: refuse now
-        return
-
-
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
-                authz: Authorizer | None = None, streaming_in: bool = False) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, authz: Authorizer | None = None,
+                streaming_in: bool = False, one: bool = False) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
         raw = request
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             held: auth.Held = None
+            principal: auth.Principal | None = None
             try:
-                request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
+                principal = _caller(context, metadata, authz, obs)
+                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed)
                 if owed:
                     held = await auth.take_slot(owed[0])
                 return await fn(request, context)
@@ -365,8 +323,8 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
                 raise
             except Exception as e:  # noqa: BLE001 - domain errors keep their status; anything else is INTERNAL
                 error = obs.failed(e)
-                if streaming_in:
-                    await _drain(raw)
+                if streaming_in and principal is not None:
+                    await inbound.drain(raw)
                 await _abort(context, error)
             finally:
                 auth.release_slot(held)
@@ -376,7 +334,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str,
 
 def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str,
-    authz: Authorizer | None = None, streaming_in: bool = False,
+    authz: Authorizer | None = None, streaming_in: bool = False, one: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
     upload = streaming_in and method in wire.UPLOAD_STREAMS
 
@@ -386,8 +344,10 @@ def _wrap_stream(
         with Observed(method, metadata) as obs:
             owed: list[auth.Principal] = []
             held: auth.Held = None
+            principal: auth.Principal | None = None
             try:
-                request = _admit(request, context, method, metadata, authz, streaming_in, obs, owed)
+                principal = _caller(context, metadata, authz, obs)
+                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed)
                 if owed:
                     held = await auth.take_slot(owed[0])
                 async for item in fn(request, context):
@@ -396,8 +356,8 @@ def _wrap_stream(
                 raise
             except Exception as e:  # noqa: BLE001
                 error = obs.failed(e)
-                if upload:
-                    await _drain(raw)
+                if upload and principal is not None:
+                    await inbound.drain(raw)
                 await _abort(context, error)
             finally:
                 auth.release_slot(held)
@@ -406,23 +366,32 @@ def _wrap_stream(
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | None,
-                 require_client_cert: bool = False) -> grpc.RpcMethodHandler:
+                 require_client_cert: bool = False, read_after_auth: bool = False) -> grpc.RpcMethodHandler:
     """``handler`` (of RPC ``method``) with what every RPC of the mesh gets: domain exceptions mapped to status codes
     with details (anything else becomes INTERNAL with an incident id), a server span parented by the caller's
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
     not a protobuf of the RPC's type refused as INVALID_ARGUMENT. Built once per method (``Server.add``); each call
-    reads its own metadata from its context."""
+    reads its own metadata from its context.
+
+    ``read_after_auth`` (public ports): a unary request is served as a one-message stream, read only once the
+    caller is authenticated (``core/inbound.py``)."""
     authz = Authorizer(access, require_client_cert, method) if access is not None else None
+    one = read_after_auth and authz is not None
     kw = dict(
-        request_deserializer=_safe_deserializer(
+        request_deserializer=inbound.safe_deserializer(
             wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method),
         response_serializer=handler.response_serializer,
     )
     if handler.unary_unary:
+        if one:
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, authz, one=True),
+                                                        **kw)
         return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, authz), **kw)
     if handler.unary_stream:
         fn = handler.unary_stream
         if inspect.isasyncgenfunction(fn):
+            if one:
+                return grpc.stream_stream_rpc_method_handler(_wrap_stream(fn, method, authz, one=True), **kw)
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method, authz), **kw)
         return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
     if handler.stream_unary:
@@ -440,10 +409,12 @@ class _Registrar:
     """Stands in for the grpc.aio server while a generated ``add_*Servicer_to_server`` registers a servicer: each
     method handler is wrapped once (``wrap_handler``) and the wrapped ones are registered on the real server."""
 
-    def __init__(self, server: grpc.aio.Server, access_for: Callable[[str], Access], require_client_cert: bool) -> None:
+    def __init__(self, server: grpc.aio.Server, access_for: Callable[[str], Access], require_client_cert: bool,
+                 read_after_auth: bool = False) -> None:
         self._server = server
         self._access_for = access_for
         self._require_client_cert = require_client_cert
+        self._read_after_auth = read_after_auth
         self.registered = False
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
@@ -452,7 +423,7 @@ class _Registrar:
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         wrapped = {name: wrap_handler(h, f"/{service}/{name}", self._access_for(f"/{service}/{name}"),
-                                      self._require_client_cert)
+                                      self._require_client_cert, self._read_after_auth)
                    for name, h in method_handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
         self._server.add_registered_method_handlers(service, wrapped)
@@ -498,7 +469,7 @@ class Server:
         self._access[full_name] = access
         for m, a in (methods or {}).items():
             self._access[f"{full_name}/{m}"] = a
-        registrar = _Registrar(self._server, self._access_for, self._require_client_cert)
+        registrar = _Registrar(self._server, self._access_for, self._require_client_cert, self.options.public)
         register(servicer, registrar)  # type: ignore[arg-type]
         if not registrar.registered:
             # Only the generated registration hands over its method handlers; anything else would be served

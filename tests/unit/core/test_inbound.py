@@ -1,0 +1,192 @@
+"""How a wrapped RPC takes its request in (``core/inbound.py``): on a public port a caller with no credentials is
+refused before its message is read (the server's memory measured, a 128 MiB message sent), authenticated callers'
+unary requests still arrive whole, and an unauthenticated upload stream that never ends is answered UNAUTHENTICATED
+at once instead of being read for the drain's 10 s."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
+from embedmesh.core import inbound
+from embedmesh.core.auth import Access
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.server import Server, ServerOptions, insecure_channel
+from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from .conftest import WORKER, ServeEcho
+
+_PUBLIC_SERVER = """
+import asyncio, sys
+from embedmesh.core import auth
+from embedmesh.core.auth import Access
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.server import Server, ServerOptions
+from embedmesh.worker.v1 import worker_pb2_grpc
+sys.path.insert(0, sys.argv[1])
+from conftest import Echo, WORKER
+
+async def main():
+    auth.configure_keys(auth.keyring_from_values(api_keys="ka-12345678=alpha"))
+    server = Server("preauth", ServerOptions(port=0, grace_seconds=0.2, public=sys.argv[2] == "public"))
+    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Echo(), WORKER, access=Access.PUBLIC)
+    await server.start()
+    print(server.port, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _hwm_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _unknown_field(size: int) -> bytes:
+    """A message of any type holding ``size`` zero bytes in unknown field 1023 (protobuf keeps them)."""
+    return b"\xfa\x3f" + _varint(size) + bytes(size)
+
+
+async def _peak_growth(kind: str) -> tuple[float, grpc.StatusCode, str]:
+    """A keyed server (``kind``: "public" or "internal") in its own process; three 128 MiB GetInfo messages sent with
+    no key: (growth of the server's peak RSS in MiB, their status, an authenticated 16 MiB call's answer)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", _PUBLIC_SERVER, here, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        opts = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            call = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b,
+                                  response_deserializer=worker_pb2.GetInfoResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call(b"")  # the server is up (and warm)
+            before = _hwm_mib(proc.pid)
+            payload = _unknown_field(128 << 20)
+            codes = set()
+            for _ in range(3):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(payload, timeout=60)
+                codes.add(info.value.code())
+            grown = _hwm_mib(proc.pid) - before
+            assert len(codes) == 1, codes
+            keyed = await call(_unknown_field(16 << 20), metadata=(("authorization", "Bearer ka-12345678"),),
+                               timeout=60)
+            return grown, codes.pop(), keyed.model
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_an_unauthenticated_message_is_refused_unread_on_a_public_port() -> None:
+    """128 MiB with no key, three times, to a keyed public port: UNAUTHENTICATED, and the server's peak memory grows
+    by far less than one message (gRPC used to read and parse it whole before the key was looked at). A keyed
+    caller's 16 MiB message is still read and served."""
+    grown, code, keyed = await _peak_growth("public")
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert grown < 16, f"the server's peak memory grew by {grown:.0f} MiB for messages it refused unread"
+    assert keyed == "alpha"
+
+
+async def test_an_internal_port_still_reads_unary_requests_before_the_handler() -> None:
+    """The control for the test above: a port that is not public takes a unary message whole first (it reaches
+    the wrapper already read), so the same calls grow its peak by at least one message."""
+    grown, code, keyed = await _peak_growth("internal")
+    assert code == grpc.StatusCode.UNAUTHENTICATED and keyed == "alpha"
+    assert grown > 100, grown
+
+
+async def test_a_public_port_serves_every_call_kind_after_authentication(serve_echo: ServeEcho, keys: None) -> None:
+    """Unary and server-streaming calls served as one-message streams answer as before: the caller's tenant, and
+    UNAUTHENTICATED without a key."""
+    server = await serve_echo(Access.PUBLIC, public=True)
+    ch = insecure_channel(server.address)
+    stub = worker_pb2_grpc.WorkerServiceStub(ch)
+    md = (("authorization", "Bearer kb-12345678"),)
+    try:
+        assert (await stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=md)).model == "beta"
+        assert [r.text async for r in stub.Generate(worker_pb2.GenerateRequest(request_id="r"), metadata=md)] == \
+            ["beta"]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetInfo(worker_pb2.GetInfoRequest())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in stub.Generate(worker_pb2.GenerateRequest())]
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        bad = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b, response_deserializer=None)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await bad(b"\xff\xff", metadata=md)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # read after the key, still checked
+    finally:
+        await ch.close()
+        await server.drain()
+
+
+class _Cache(cache_pb2_grpc.EncoderCacheServiceServicer):
+    async def Put(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - a stream-unary call
+        async for _ in request_iterator:
+            pass
+        return cache_pb2.PutResponse()
+
+
+async def test_an_unauthenticated_upload_that_never_ends_is_refused_at_once(keys: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upload stream with no key that keeps sending and never half-closes: UNAUTHENTICATED while it still sends
+    (the drain, set here to an hour, is for authenticated uploads refused by a rule)."""
+    monkeypatch.setattr(inbound, "DRAIN_SECONDS", 3600.0)
+    server = Server("upload", ServerOptions(port=0, grace_seconds=0.2, public=True))
+    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, _Cache(),
+               "embedmesh.cache.v1.EncoderCacheService", access=Access.PUBLIC)
+    await server.start()
+    ch = insecure_channel(server.address)
+    sent = 0
+
+    async def forever() -> AsyncIterator[cache_pb2.PutRequest]:
+        nonlocal sent
+        yield cache_pb2.PutRequest(header=cache_pb2.PutHeader())
+        while True:
+            sent += 1
+            yield cache_pb2.PutRequest(chunk=b"\0" * 1024)
+            await asyncio.sleep(0.05)
+
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await cache_pb2_grpc.EncoderCacheServiceStub(ch).Put(forever(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+    finally:
+        await ch.close()
+        await server.drain()
+
+
+def test_a_unary_call_that_ends_without_its_message_is_invalid_argument() -> None:
+    async def empty() -> AsyncIterator[Any]:
+        return
+        yield
+
+    with pytest.raises(InvalidArgument) as info:
+        asyncio.run(inbound.first_message(empty(), "/x.Y/Z"))
+    assert info.value.field == "request" and info.value.reason == "MISSING_MESSAGE"
