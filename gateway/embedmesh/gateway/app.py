@@ -252,6 +252,7 @@ def _observed(route: str, handler: Handler, *, traced: bool = True, metrics_requ
         LATENCY.labels(route).observe(time.perf_counter() - t0)
         return response
 
+    wrapped.__wrapped__ = handler  # type: ignore[attr-defined]  # the bare handler (batch lines call it)
     return wrapped
 
 
@@ -283,19 +284,27 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     gw = Gateway(config)
     admission = _Admission(config.max_inflight, config.tenant_share)
 
+    # The Batch API (batches.py): its runner works below the interactive requests admitted here.
+    from embedmesh.gateway import batches as batch_api
+
+    batch = batch_api.Batches(gw, inflight=lambda: admission.count)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.open()
+        await batch.open()
         try:
             yield
         finally:
+            await batch.close()
             await gw.close()
 
     # Files and vector stores share one client to the VectorStoreService (501 when --vector-store is unset).
     from embedmesh.gateway import files, vector_stores
 
     vs_client = vector_stores.VectorStoreClient(gw)
-    plugged: list[Route] = [*files.routes(gw, vs_client), *vector_stores.routes(gw, vs_client)]
+    plugged: list[Route] = [*files.routes(gw, vs_client, batch), *vector_stores.routes(gw, vs_client),
+                            *batch_api.routes(gw, batch)]
     for extra in extra_routes:
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []
@@ -309,5 +318,8 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     routes.append(Route("/metrics", metrics if config.metrics_require_key else _metrics, methods=["GET"]))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    # Batch lines go to the very handlers of the routes they name, without this app's admission and metrics.
+    batch.handlers = {r.path: r.endpoint.__wrapped__ for r in routes
+                      if r.path in batch_api.batch_lines.BATCH_URLS and "POST" in (r.methods or ())}
     app.state.gateway = gw
     return app

@@ -32,6 +32,24 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     """host:port of the public gRPC InferenceService (the preprocessor, or an Envoy in front of its replicas)."""
     vector_store: str = option("", aliases=("EMBEDMESH_VECTOR_STORE_ADDR",))
     """host:port of the VectorStoreService; empty = none (its routes are not served)."""
+    batch_db: str = ""
+    """Where the Batch API keeps batches, their files and each line's result: a PostgreSQL URL
+    (``postgresql://...``), a SQLite file, or empty for ``$EMBEDMESH_CACHE/batches.sqlite3``."""
+    batch_secret_file: str = ""
+    """A file whose contents seal the Authorization header each batch runs under (required with PostgreSQL: the
+    same file on every gateway); empty with SQLite = a random key made once in ``<batch_db>.key`` (mode 0600)."""
+    batch_runner_id: str = ""
+    """This gateway's name in batch leases; empty = ``host:port``, so a restarted gateway takes its batches back
+    at once (another gateway waits until the lease ends)."""
+    batch_concurrency: int = 4
+    """Batch lines this gateway runs at once, all batches together (>= 1)."""
+    batch_pause_inflight: int = 1
+    """Batch lines start only while fewer interactive requests than this are in flight at this gateway (lower
+    priority than interactive traffic); 0 = they never wait."""
+    batch_max_file_bytes: int = 100 << 20
+    """Largest batch input file (``purpose=batch``), in bytes (>= 1 KiB)."""
+    batch_max_lines: int = 50_000
+    """Most requests in one batch input file (>= 1)."""
     max_body_bytes: int = 1 << 30
     """Largest request body accepted, in bytes (413 above it); at least 1 KiB."""
     request_timeout_seconds: float = option(600.0, flags=("--request-timeout",),
@@ -51,6 +69,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     message."""
 
     def __post_init__(self) -> None:
+        if self.batch_concurrency < 1 or self.batch_pause_inflight < 0 or self.batch_max_lines < 1:
+            raise ValueError("batch_concurrency and batch_max_lines must be >= 1, batch_pause_inflight >= 0")
+        if self.batch_max_file_bytes < 1024:
+            raise ValueError(f"batch_max_file_bytes must be >= 1024, got {self.batch_max_file_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.preprocessor:

@@ -10,6 +10,9 @@ A body that is not well-formed multipart (no boundary, a part without a name, tw
 ``purpose`` field is a 400 naming the field. The service decides what is accepted (text-like files only: plain
 text, Markdown, JSON; anything else is a 400 naming the type) and the size cap; the upload streams to it in 1 MiB
 chunks.
+
+``purpose=batch`` files are the Batch API's (``batches.py``): kept in the batch store, checked as JSONL at upload
+(a 400 naming the line).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.gateway.batches import Batches, list_page, tenant_of
 from embedmesh.gateway.context import Gateway, too_large
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.paging import list_json, page_request
@@ -34,6 +38,7 @@ from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 __all__ = ["routes"]
 
 _CHUNK = 1 << 20
+BATCH_PURPOSES = ("batch", "batch_output")
 
 
 def file_json(f: pb.File) -> dict[str, Any]:
@@ -70,9 +75,17 @@ async def _parse_form(request: Request, limit: int) -> FormData:
                        code="client_disconnected") from None
 
 
-def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Route]:
-    """The ``/v1/files`` routes; pass the same ``client`` as to ``vector_stores.routes`` to share one channel."""
+def routes(gateway: Gateway, client: VectorStoreClient | None = None, batches: Batches | None = None) -> list[Route]:
+    """The ``/v1/files`` routes; pass the same ``client`` as to ``vector_stores.routes`` to share one channel.
+    With ``batches``, ``purpose=batch`` files (and the batches' output files) live in its store, not the vector
+    store's: checked as JSONL when uploaded, listed by ``purpose=batch`` or ``batch_output``, and found first
+    there by id."""
     vs = client or VectorStoreClient(gateway)
+
+    async def batch_file(request: Request) -> dict[str, Any] | None:
+        if batches is None:
+            return None
+        return await batches.store.file(tenant_of(request), request.path_params["file_id"])
 
     async def create(request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -86,6 +99,12 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
                 raise bad_request("file", "is required (a multipart file field)", "missing")
             if not isinstance(purpose, str) or not purpose:
                 raise bad_request("purpose", "is required", "missing")
+            if batches is not None and purpose in BATCH_PURPOSES:
+                if purpose != "batch":
+                    raise bad_request("purpose", "batch_output files are written by batches, not uploaded")
+                cap = gateway.config.batch_max_file_bytes
+                content = await upload.read(cap + 1)  # bounded: the spooled upload is read up to the cap only
+                return json_response(await batches.add_input_file(request, upload.filename or "", content))
             header = pb.UploadFileHeader(filename=upload.filename or "", purpose=purpose,
                                          content_type=upload.content_type or "")
 
@@ -103,21 +122,37 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(file_json(r.file))
 
     async def list_files(request: Request) -> Response:
+        purpose = request.query_params.get("purpose", "")
+        if batches is not None and purpose in BATCH_PURPOSES:
+            page = page_request(request, before=False)
+            if page.limit > 100:
+                raise bad_request("limit", "must be in [1, 100]")
+            data, more = await batches.store.list_files(tenant_of(request), purpose, page.after, page.limit or 20,
+                                                        page.order == pb.SORT_ORDER_ASC)
+            return json_response(list_page(data, more))
         req = pb.ListFilesRequest(purpose=request.query_params.get("purpose", ""),
                                   page=page_request(request, before=False))
         r = await vs.call("ListFiles", req)
         return json_response(list_json([file_json(f) for f in r.data], r.page))
 
     async def retrieve(request: Request) -> Response:
+        if (found := await batch_file(request)) is not None:
+            return json_response(found)
         r = await vs.call("GetFile", pb.GetFileRequest(file_id=request.path_params["file_id"]))
         return json_response(file_json(r.file))
 
     async def delete(request: Request) -> Response:
+        if (found := await batch_file(request)) is not None:
+            await batches.store.delete_file(tenant_of(request), found["id"])  # type: ignore[union-attr]
+            return json_response({"id": found["id"], "object": "file", "deleted": True})
         r = await vs.call("DeleteFile", pb.DeleteFileRequest(file_id=request.path_params["file_id"]))
         return json_response({"id": r.id, "object": "file", "deleted": r.deleted})
 
     async def content(request: Request) -> Response:
         fid = request.path_params["file_id"]
+        if await batch_file(request) is not None:
+            data = await batches.store.file_content(tenant_of(request), fid)  # type: ignore[union-attr]
+            return Response(data or b"", media_type="application/jsonl")
         meta = await vs.call("GetFile", pb.GetFileRequest(file_id=fid))
         try:
             data = b"".join([m.chunk async for m in vs.stub().GetFileContent(pb.GetFileContentRequest(file_id=fid),
