@@ -14,16 +14,24 @@ request must arrive within ``HEADER_SECONDS`` of its first byte (or of the conne
 body at ``BODY_MIN_BYTES_PER_SECOND`` on average after a ``BODY_SECONDS`` allowance; past either the request is
 answered 408 ``request_timeout`` and the connection closed (uvicorn has neither bound: 200 connections sending a
 header line every 5 s were all still open after 30 s, and a body trickling a byte every 3 s held its slot forever).
+
+Clients without a valid API key are capped per IP address (connections, requests in flight) and per connection
+(pipelined requests): ``client_caps.py``; past a cap, 429 with ``Retry-After`` and the connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections import deque
 from http import HTTPStatus
+from typing import Any
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from embedmesh.gateway import client_caps
+from embedmesh.gateway.client_caps import ClientCaps
 from embedmesh.gateway.errors import ApiError
 
 __all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES", "HEADER_SECONDS",
@@ -47,11 +55,51 @@ def _error_response(err: ApiError) -> bytes:
     body = orjson.dumps(err.body())
     return b"".join([
         b"HTTP/1.1 %d %s\r\n" % (err.status, HTTPStatus(err.status).phrase.encode()),
+        *(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in err.headers().items()),
         b"content-type: application/json\r\n",
         b"content-length: %d\r\n" % len(body),
         b"connection: close\r\n\r\n",
         body,
     ])
+
+
+_CAPS: weakref.WeakKeyDictionary[Any, ClientCaps] = weakref.WeakKeyDictionary()
+"""One ``ClientCaps`` per uvicorn server (its ``ServerState``, shared by every connection it accepts)."""
+
+
+def _caps_for(protocol: GatewayHttpProtocol) -> ClientCaps:
+    caps = _CAPS.get(protocol.server_state)
+    if caps is None:
+        # The gateway's settings when the app is the gateway's (``app.state.gateway``), else the defaults.
+        gw = getattr(getattr(protocol.config.app, "state", None), "gateway", None)
+        settings = getattr(gw, "config", None)
+        caps = ClientCaps(getattr(settings, "anon_connections_per_ip", client_caps.CONNECTIONS_PER_IP),
+                          getattr(settings, "anon_requests_per_ip", client_caps.REQUESTS_PER_IP),
+                          idle=GatewayHttpProtocol._idle, close=GatewayHttpProtocol._evict)
+        _CAPS[protocol.server_state] = caps
+    return caps
+
+
+def _too_many(what: str) -> ApiError:
+    return ApiError(429, f"too many {what} from your address without a valid API key; retry later, or send "
+                    "'Authorization: Bearer <key>'", code="rate_limit_exceeded", type_="rate_limit_error",
+                    retry_after=1.0)
+
+
+class _QuietLog:
+    """uvicorn's logger for one connection, minus the warning it logs when the parser stops: when the protocol
+    stopped it on purpose (a cap's 429), that is no invalid request, and a flood would be a flood of log lines."""
+
+    def __init__(self, protocol: GatewayHttpProtocol, logger: Any) -> None:
+        self._protocol = protocol
+        self._logger = logger
+
+    def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        if self._protocol._refusal is None:
+            self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
@@ -67,14 +115,78 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _deadline: asyncio.TimerHandle | None = None  # the header or body bound of the request being received
     _body_started = 0.0
     _body_bytes = 0
+    _caps: ClientCaps | None = None
+    _ip = ""
+    _keyed_only = False  # a connection past its IP's cap: only requests with a valid key are served
+    _refusal: ApiError | None = None  # the answer to give when the parser is stopped on purpose
+    _counted: deque[bool]  # per request of this connection not yet answered: counted in the IP's requests
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.logger = _QuietLog(self, self.logger)  # type: ignore[assignment]
+        self._counted = deque()
         self._watch(HEADER_SECONDS, self._headers_late)
+        if self.client:
+            self._ip = self.client[0]
+            self._caps = _caps_for(self)
+            self._keyed_only = not self._caps.connected(self._ip, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._watch(None)
+        if self._caps is not None:
+            self._caps.forget(self._ip, self)
+            while self._counted:
+                if self._counted.popleft():
+                    self._caps.release_request(self._ip)
         super().connection_lost(exc)
+
+    @staticmethod
+    def _idle(conn: GatewayHttpProtocol) -> bool:
+        """No request of ``conn`` is being served or queued (it is between requests, or in its headers)."""
+        return not conn._counted and not conn.pipeline and (conn.cycle is None or conn.cycle.response_complete)
+
+    @staticmethod
+    def _evict(conn: GatewayHttpProtocol) -> None:
+        """Close an idle connection to make room: a request begun on it is answered 429; between requests it just
+        closes (as a keep-alive timeout would)."""
+        if conn._refused or conn.transport.is_closing():
+            return
+        if conn._received or conn.cycle is None:
+            conn._refuse(_too_many("connections"))
+        else:
+            conn._watch(None)
+            conn.transport.close()
+
+    def _admit_request(self) -> None:
+        """At a request's end of headers: a valid key takes its connection out of the caps; a request without one
+        is counted for its IP, or refused (429) past a cap."""
+        caps = self._caps
+        if caps is None or not caps.active:
+            self._counted.append(False)
+            return
+        if client_caps.key_is_valid(self.headers):
+            caps.keyed(self._ip, self)
+            self._keyed_only = False
+            self._counted.append(False)
+            return
+        if self._keyed_only:
+            self._stop(_too_many("connections"))
+        if len(self.pipeline) >= client_caps.PIPELINE_DEPTH:
+            self._stop(_too_many("pipelined requests on one connection"))
+        taken = caps.take_request(self._ip)
+        if taken is None:
+            self._stop(_too_many("requests in flight"))
+        self._counted.append(bool(taken))
+
+    def _stop(self, err: ApiError) -> None:
+        """Stop the parser; uvicorn then calls ``send_400_response``, which gives ``err``."""
+        self._refusal = err
+        raise ValueError(err.message)
+
+    def on_response_complete(self) -> None:
+        if self._counted and self._counted.popleft() and self._caps is not None:
+            self._caps.release_request(self._ip)
+        super().on_response_complete()
 
     def _watch(self, seconds: float | None, then: object = None) -> None:
         """(Re)arm the one deadline timer (``None``: disarm)."""
@@ -124,12 +236,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._admit_request()
         self._in_headers = False
         self._body_started, self._body_bytes = self.loop.time(), 0
         self._watch(BODY_SECONDS, self._body_late)
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         self._body_bytes += len(body)
         super().on_body(body)
 
@@ -164,7 +279,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn calls this when the parser refuses the request (``msg`` is its fixed plain-text line).
-        if self._too_large:
+        if self._refused:  # answered already (a connection closed to make room)
+            return
+        if self._refusal is not None:
+            self._refuse(self._refusal)
+        elif self._too_large:
             self.logger.warning("request headers over the limit")
             self._refuse(ApiError(431, f"the request line and headers are over the {MAX_HEADER_BYTES} byte limit; "
                                   "send shorter headers (big values belong in the body)", code="headers_too_large"))
