@@ -37,7 +37,7 @@ from starlette.routing import Route
 from embedmesh.core import auth
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import tracer
-from embedmesh.gateway import completions, embeddings, lora, openapi, uploads
+from embedmesh.gateway import completions, embeddings, lora, openapi, responses, uploads
 from embedmesh.gateway.auth import authenticate_request, forwarding_channel
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.context import Gateway
@@ -309,7 +309,7 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
         plugged.extend([extra] if isinstance(extra, Route) else extra(gw))
     routes: list[Route] = []
     for r in [*completions.routes(gw), *mesh_routes(gw), *uploads.routes(gw), *embeddings.routes(gw),
-              *lora.routes(gw), *openapi.routes(gw), *plugged]:
+              *lora.routes(gw), *responses.routes(gw), *openapi.routes(gw), *plugged]:
         traced = r.path != "/health"  # probes would drown the traces
         routes.append(Route(r.path, _observed(r.path, r.endpoint, traced=traced,
                                               admission=None if r.path == "/health" else admission),

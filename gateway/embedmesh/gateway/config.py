@@ -67,6 +67,11 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     """Requests whose torch.save ``prompt_embeds`` payloads hold at least this many bytes of values go to the
     preprocessor as a CompleteChunks / ChatChunks stream of 1 MiB pieces (``pieces_body.py``); 0 = always one
     message."""
+    responses_db: str = ""
+    """Where ``/v1/responses`` stores responses: a PostgreSQL URL (``postgresql://...``), a SQLite file, or empty
+    for ``$EMBEDMESH_CACHE/responses.sqlite3``."""
+    responses_ttl_seconds: float = 30 * 24 * 3600.0
+    """How long a stored response stays readable (and continuable by ``previous_response_id``), in seconds (> 0)."""
 
     def __post_init__(self) -> None:
         if self.batch_concurrency < 1 or self.batch_pause_inflight < 0 or self.batch_max_lines < 1:
@@ -85,6 +90,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
         if not 0 < self.tenant_share <= 1:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
+        if not self.responses_ttl_seconds > 0:
+            raise ValueError(f"responses_ttl_seconds must be > 0, got {self.responses_ttl_seconds}")
         if not self.request_timeout_seconds > 0:
             raise ValueError(f"request_timeout_seconds must be > 0, got {self.request_timeout_seconds}")
 

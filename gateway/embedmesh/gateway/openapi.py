@@ -29,6 +29,7 @@ from starlette.routing import BaseRoute, Route
 
 from embedmesh.gateway import requests, vector_stores
 from embedmesh.gateway.context import Gateway
+from embedmesh.gateway.requests.responses import PASSTHROUGH, ResponsesRequest
 
 __all__ = ["routes", "document", "OPERATIONS", "served_operations"]
 
@@ -163,6 +164,27 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
                                    "method POST, url = endpoint, body)"},
 }
 
+# responses_shape.Turn, responses.routes
+RESPONSE_SCHEMAS.update({
+    "Response": _obj({"id": _STR, "object": {"const": "response"}, "created_at": _INT,
+                      "status": {"enum": ["completed", "incomplete", "failed", "in_progress", "queued",
+                                          "cancelled"]},
+                      "error": _nullable(_obj({"code": _STR, "message": _STR})),
+                      "incomplete_details": _nullable(_obj({"reason": _STR})), "model": _STR,
+                      "output": {"type": "array", "items": {"anyOf": [
+                          _obj({"id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"},
+                                "status": _STR, "content": {"type": "array", "items": _obj(
+                                    {"type": {"const": "output_text"}, "text": _STR})}}),
+                          _obj({"id": _STR, "type": {"const": "function_call"}, "call_id": _STR, "name": _STR,
+                                "arguments": _STR, "status": _STR})]}},
+                      "usage": _nullable(_obj({"input_tokens": _INT, "output_tokens": _INT,
+                                               "total_tokens": _INT})),
+                      "previous_response_id": _nullable(_STR), "store": _BOOL, "background": _BOOL}),
+    "ResponseDeleted": _obj({"id": _STR, "object": {"const": "response"}, "deleted": _BOOL}),
+    "ResponseInputItemList": _list_of(_obj({"id": _STR, "type": {"enum": ["message", "function_call",
+                                                                          "function_call_output"]}})),
+})
+
 _EMBEDS_SOURCE = {"anyOf": [{"type": "string", "description": "base64 of a torch.save(tensor) or safetensors file"},
                             _obj({"id": {"type": "string", "minLength": 1,
                                          "description": "an id returned by POST /v1/prompt_embeds"}})]}
@@ -197,6 +219,40 @@ _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                                             {"type": "null"}]} for model in ("CompletionRequest", "ChatRequest")},
 }
 
+_TEXT_PART = _obj({"type": {"enum": ["input_text", "output_text"]}, "text": _STR})
+_EMBEDS_PART = {**_obj({"type": {"const": "input_prompt_embeds"}},
+                       {"data": {"type": "string", "description": "base64 of a torch.save(tensor) or safetensors "
+                                                                  "file"},
+                        "id": {"type": "string", "minLength": 1, "description": "an id returned by POST "
+                                                                                "/v1/prompt_embeds"}}),
+                "description": "prompt embeddings ([rows, hidden]) in place of text: `data` or `id`"}
+_INPUT_ITEM = {"anyOf": [
+    _obj({"role": {"enum": ["user", "system", "developer", "assistant"]},
+          "content": {"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_TEXT_PART, _EMBEDS_PART]}}]}},
+         {"type": {"const": "message"}}),
+    _obj({"type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}),
+    _obj({"type": {"const": "function_call_output"}, "call_id": _STR, "output": _STR})]}
+_RESPONSES_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("ResponsesRequest", "input"): {"description": "a string (one user message) or a list of input items",
+                                    "anyOf": [_STR, {"type": "array", "items": _INPUT_ITEM, "minItems": 1}]},
+    ("ResponsesRequest", "text"): {"anyOf": [_obj({}, {"format": {"anyOf": [
+        _obj({"type": {"enum": ["text", "json_object"]}}),
+        _obj({"type": {"const": "json_schema"}, "schema": {"type": "object"}}, {"name": _STR, "strict": _BOOL})]}}),
+        {"type": "null"}]},
+    ("ResponsesRequest", "tools"): {"anyOf": [{"type": "array", "items": _obj(
+        {"type": {"const": "function"}, "name": _STR}, {"description": _STR, "parameters": {"type": "object"},
+                                                       "strict": _BOOL})}, {"type": "null"}]},
+    ("ResponsesRequest", "tool_choice"): {"anyOf": [{"enum": ["none", "auto", "required"]},
+                                                    _obj({"type": {"const": "function"}, "name": _STR}),
+                                                    {"type": "null"}]},
+    **{("ResponsesRequest", name): {"anyOf": [{"type": "null"}]} for name in ("reasoning", "top_logprobs", "prompt",
+                                                                               "conversation")},
+}
+_FIELD_SCHEMAS.update(_RESPONSES_FIELDS)
+# Responses fields checked by the chat path, documented as the chat field they are sent as.
+_SAME_AS = {("ResponsesRequest", name): ("ChatRequest", name) for name in PASSTHROUGH} | {
+    ("ResponsesRequest", "max_output_tokens"): ("ChatRequest", "max_completion_tokens")}
+
 # What a body needs beside its fields' own types.
 _BODY_RULES: dict[str, dict[str, Any]] = {
     "CompletionRequest": {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}],
@@ -210,6 +266,7 @@ REQUEST_MODELS: dict[str, type[msgspec.Struct]] = {
     "CreateVectorStore": vector_stores.CreateStore, "ModifyVectorStore": vector_stores.ModifyStore,
     "AddVectorStoreFile": vector_stores.AddFile, "UpdateVectorStoreFile": vector_stores.UpdateFile,
     "CreateFileBatch": vector_stores.CreateBatch, "SearchVectorStore": vector_stores.Search,
+    "ResponsesRequest": ResponsesRequest,
 }
 """The JSON bodies by the name the document gives them (the model's own name where it says less)."""
 
@@ -245,7 +302,25 @@ _SSE = {"text/event-stream": _obj({"data": {"type": "string", "description": "a 
                                                                             "last"}},
                                   {"event": _STR, "id": _STR})}
 
+_RESPONSE_SSE = {"text/event-stream": _obj({"data": {"type": "string", "description": "one event's JSON: `type` "
+                                                                                   "response.created ... "
+                                                                                   "response.completed"}},
+                                           {"event": _STR, "id": _STR})}
+
 OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("post", "/v1/responses"): Operation(
+        "Create a response (Responses API; text and input_prompt_embeds parts, state by previous_response_id)",
+        "responses", {200: {**_json("Response"), **_RESPONSE_SSE}}, body="ResponsesRequest", errors=_JSON_IN + _MESH,
+        example={"model": "SmolLM2-135M-Instruct", "input": "Hello", "max_output_tokens": 8}),
+    ("get", "/v1/responses/{id}"): Operation("Retrieve a stored response", "responses", {200: _json("Response")},
+                                             errors=(404,)),
+    ("delete", "/v1/responses/{id}"): Operation("Delete a stored response", "responses",
+                                                {200: _json("ResponseDeleted")}, errors=(404,)),
+    ("get", "/v1/responses/{id}/input_items"): Operation(
+        "List a stored response's input items", "responses", {200: _json("ResponseInputItemList")},
+        query=_PAGE, errors=(400, 404)),
+    ("post", "/v1/responses/{id}/cancel"): Operation("Cancel a background response", "responses",
+                                                     {200: _json("Response")}, errors=(400, 404)),
     ("post", "/v1/completions"): Operation(
         "Create a completion (text, token ids or prompt_embeds)", "inference",
         {200: {**_json("Completion"), **_SSE}}, body="CompletionRequest", errors=_JSON_IN + _MESH,
@@ -378,6 +453,8 @@ def _request_components() -> dict[str, dict[str, Any]]:
     for (model, prop), schema in _FIELD_SCHEMAS.items():
         nullable = {"type": "null"} in schema.get("anyOf", ())
         comps[model]["properties"][prop] = {**schema, **({"default": None} if nullable else {})}
+    for (model, prop), (other, same) in _SAME_AS.items():
+        comps[model]["properties"][prop] = comps[other]["properties"][same]
     for model, rule in _BODY_RULES.items():
         comps[model].update(rule)
     return comps

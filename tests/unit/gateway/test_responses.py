@@ -1,0 +1,137 @@
+"""/v1/responses against the fake preprocessor: function calls out and back in (the stored conversation carries
+them), the streamed events of a tool call and of a failure, the preprocessor's refusals renamed, paging refusals,
+a background run that fails. Each test's gateway stores in its own SQLite file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.gateway import GatewayConfig
+from embedmesh.inference.v1 import inference_pb2
+from tests.unit.gateway.conftest import MODEL, STOP, Harness, delta, usage_event, wait_for
+
+
+@pytest.fixture
+def url(gw: Harness, tmp_path: Path) -> Iterator[str]:
+    config = GatewayConfig(port=0, preprocessor=gw.grpc.address, request_timeout_seconds=30,
+                           responses_db=str(tmp_path / "responses.sqlite3"))
+    yield gw.run(gw._serve(config))
+
+
+@pytest.fixture
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
+
+
+CALL = inference_pb2.ToolCall(id="call_abc", name="get_weather", arguments='{"city": "Paris"}')
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+def test_function_call_out_and_its_output_back_in(gw: Harness, sdk: openai.OpenAI) -> None:
+    gw.fake.script.choice_protos = [inference_pb2.Choice(index=0, text="", finish_reason=STOP, tool_calls=[CALL])]
+    first = sdk.responses.create(model=MODEL, input="Weather?", tools=[TOOL], instructions="Use tools.")
+    assert [(o.type, o.call_id, o.name, o.arguments) for o in first.output] == [
+        ("function_call", "call_abc", "get_weather", '{"city": "Paris"}')]
+    assert first.status == "completed" and first.usage.input_tokens == 5 and first.usage.output_tokens == 2
+    sent = gw.fake.last("Chat").params
+    assert [m.role for m in sent.messages] == ["system", "user"] and sent.tools[0].name == "get_weather"
+    gw.fake.script.choice_protos = None
+    gw.fake.script.choices = [("Sunny.", STOP)]
+    second = sdk.responses.create(model=MODEL, previous_response_id=first.id, tools=[TOOL], input=[
+        {"type": "function_call_output", "call_id": "call_abc", "output": "sunny"}])
+    assert second.output_text == "Sunny."
+    msgs = gw.fake.last("Chat").params.messages
+    # the instructions are not carried over; the stored turn is, with its function call
+    assert [m.role for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[0].parts[0].text == "Weather?"
+    assert [(c.id, c.name, c.arguments) for c in msgs[1].tool_calls] == [("call_abc", "get_weather",
+                                                                          '{"city": "Paris"}')]
+    assert msgs[2].tool_call_id == "call_abc" and msgs[2].parts[0].text == "sunny"
+
+
+def _events(url: str, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=20) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+    names = [x[7:] for x in lines if x.startswith("event: ")]
+    datas = [orjson.loads(x[6:]) for x in lines if x.startswith("data: ")]
+    assert names == [d["type"] for d in datas]
+    return list(zip(names, datas, strict=True))
+
+
+def test_stream_with_text_then_a_function_call(gw: Harness, url: str) -> None:
+    call = inference_pb2.StreamChatResponse(model=MODEL, index=0, finish_reason=STOP, tool_calls=[CALL])
+    gw.fake.script.stream = [delta(0, "Let me"), delta(0, " check."), call, usage_event(4, 6)]
+    events = _events(url, {"model": MODEL, "input": "Weather?", "tools": [TOOL], "stream": True})
+    assert [n for n, _ in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert events[6][1]["text"] == "Let me check."
+    assert events[9][1]["output_index"] == 1 and events[11][1]["arguments"] == '{"city": "Paris"}'
+    final = events[-1][1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    assert final["usage"]["input_tokens"] == 4 and final["usage"]["total_tokens"] == 10
+    stored = httpx.get(f"{url}/v1/responses/{final['id']}", timeout=10).json()
+    assert stored["output"] == final["output"]
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed(gw: Harness, url: str) -> None:
+    gw.fake.script.stream = [delta(0, "par"), Unavailable("the worker went away")]
+    events = _events(url, {"model": MODEL, "input": "Hi", "stream": True})
+    names = [n for n, _ in events]
+    assert names[-2:] == ["error", "response.failed"]
+    failed = events[-1][1]["response"]
+    # (the fake's StreamChat fails as INTERNAL at an error item)
+    assert failed["status"] == "failed" and failed["error"]["code"] == events[-2][1]["code"] == "internal"
+    assert failed["output"][0]["content"][0]["text"] == "par"  # what came before the failure
+    stored = httpx.get(f"{url}/v1/responses/{failed['id']}", timeout=10).json()
+    assert stored["status"] == "failed"
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x", "previous_response_id": failed["id"]},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_the_preprocessors_refusal_names_the_input_part(gw: Harness, url: str) -> None:
+    gw.fake.script.error = InvalidArgument("messages[1].content[0]: hidden size 7, the model's is 576",
+                                           field="messages[1].content[0]", reason="EMBEDS_SHAPE")
+    r = httpx.post(f"{url}/v1/responses", timeout=10, json={
+        "model": MODEL, "instructions": "sys",
+        "input": [{"role": "user", "content": [{"type": "input_prompt_embeds", "data": "QUJD"}]}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "input[0].content[0]" and err["message"].startswith("input[0].content[0]: hidden size")
+    assert err["code"] == "embeds_shape"
+
+
+def test_input_items_paging_refusals(gw: Harness, sdk: openai.OpenAI, url: str) -> None:
+    rid = sdk.responses.create(model=MODEL, input="hi").id
+    for query, param in (("limit=101", "limit"), ("limit=x", "limit"), ("order=up", "order"),
+                         ("after=msg_unknown", "after")):
+        r = httpx.get(f"{url}/v1/responses/{rid}/input_items?{query}", timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+
+
+def test_a_background_run_that_fails_is_stored_failed(gw: Harness, sdk: openai.OpenAI) -> None:
+    gw.fake.script.error = Unavailable("no worker")
+    r = sdk.responses.create(model=MODEL, input="hi", background=True)
+    assert r.status == "queued" and r.background
+    assert wait_for(lambda: sdk.responses.retrieve(r.id).status == "failed")
+    assert sdk.responses.retrieve(r.id).error.code == "unavailable"
+    with pytest.raises(openai.BadRequestError):
+        sdk.responses.cancel(r.id)
+    gw.fake.script.error = None
+    plain = sdk.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk.responses.cancel(plain.id)  # not a background response
+    assert e.value.body["code"] == "not_background"
