@@ -83,9 +83,14 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None, batches: B
     vs = client or VectorStoreClient(gateway)
 
     async def batch_file(request: Request) -> dict[str, Any] | None:
+        """The batch store's file of this id, None to ask the vector store; a 404 when there is none to ask."""
         if batches is None:
             return None
-        return await batches.store.file(tenant_of(request), request.path_params["file_id"])
+        fid = request.path_params["file_id"]
+        found = await batches.store.file(tenant_of(request), fid)
+        if found is None and not gateway.config.vector_store:
+            raise ApiError(404, f"no file {fid!r}", param="file_id", code="not_found", type_="not_found_error")
+        return found
 
     async def create(request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
