@@ -319,3 +319,33 @@ def test_function_tool_round_trip(client: Any) -> None:
                                         {"type": "function_call_output", "call_id": calls[0].call_id,
                                          "output": json.dumps({"temperature_c": 21, "sky": "clear"})}])
     assert final.output[0].type == "message" and final.output_text
+
+
+def test_an_uploaded_tensor_by_id_is_the_same_prompt_as_its_data(alpha: openai.OpenAI, emesh: Mesh) -> None:
+    import torch
+
+    model = emesh.extra["model"]
+    data = b64_of(torch.ones(6, HIDDEN) * 0.01)
+    up = httpx.post(f"{emesh.base_url}/v1/prompt_embeds", json={"data": data},
+                    headers={"authorization": f"Bearer {KA}"}, timeout=30)
+    assert up.status_code == 200, up.text
+
+    def ask(part: dict[str, Any], key: openai.OpenAI) -> Any:
+        return key.responses.create(model=model, max_output_tokens=1, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, part]}])
+
+    by_data = ask({"type": "input_prompt_embeds", "data": data}, alpha)
+    by_id = ask({"type": "input_prompt_embeds", "id": up.json()["id"]}, alpha)
+    assert by_id.usage.input_tokens == by_data.usage.input_tokens
+    assert by_data.usage.input_tokens == ask({"type": "input_text", "text": "x"}, alpha).usage.input_tokens + 5
+    # a follow-up turn re-sends the stored tensor by id: same prompt as the whole history by data
+    two = alpha.responses.create(model=model, max_output_tokens=1, input="More?", previous_response_id=by_id.id)
+    whole = alpha.responses.create(model=model, max_output_tokens=1, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                     {"type": "input_prompt_embeds", "data": data}]},
+        {"role": "assistant", "content": "x"}, {"role": "user", "content": "More?"}])
+    assert two.usage.input_tokens == whole.usage.input_tokens
+    beta = _client(emesh, KB)
+    with pytest.raises(openai.NotFoundError) as e:  # another tenant's upload
+        ask({"type": "input_prompt_embeds", "id": up.json()["id"]}, beta)
+    assert e.value.body["param"].startswith("input[0].content[1]")
