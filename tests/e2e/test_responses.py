@@ -28,7 +28,9 @@ KA, KB = "sk-responses-alpha-0123456789", "sk-responses-beta-0123456789"
 def emesh() -> Iterator[Mesh]:
     db = os.path.join(tempfile.mkdtemp(prefix="embedmesh-responses-"), "responses.sqlite3")
     m = start_mesh(engine="echo", env={"EMBEDMESH_TRACE_CONSOLE": "0", "EMBEDMESH_API_KEYS": f"{KA}=alpha,{KB}=beta",
-                                       "EMBEDMESH_GATEWAY_RESPONSES_DB": db})
+                                       "EMBEDMESH_GATEWAY_RESPONSES_DB": db,
+                                       # tensors of 8 KiB and more go as pieces (ChatChunks), as big ones do
+                                       "EMBEDMESH_GATEWAY_PIECES_MIN_BYTES": "8192"})
     m.extra["model"] = httpx.get(f"{m.base_url}/v1/models", headers={"authorization": f"Bearer {KA}"},
                                  timeout=30).json()["data"][0]["id"]
     yield m
@@ -349,3 +351,24 @@ def test_an_uploaded_tensor_by_id_is_the_same_prompt_as_its_data(alpha: openai.O
     with pytest.raises(openai.NotFoundError) as e:  # another tenant's upload
         ask({"type": "input_prompt_embeds", "id": up.json()["id"]}, beta)
     assert e.value.body["param"].startswith("input[0].content[1]")
+
+
+def test_a_big_tensor_part_and_its_follow_up(alpha: openai.OpenAI, emesh: Mesh) -> None:
+    """A body over 1 MiB: its base64 is read already decoded (embeds_json), sent as pieces, and stored as base64
+    again for the next turn."""
+    import torch
+
+    model = emesh.extra["model"]
+    data = b64_of(torch.full((600, HIDDEN), 0.02))
+    part = {"type": "input_prompt_embeds", "data": data}
+    one = alpha.responses.create(model=model, max_output_tokens=2, input=[{"role": "user", "content": [part]}])
+    small = alpha.responses.create(model=model, max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_prompt_embeds", "data": b64_of(torch.full((1, HIDDEN), 0.02))}]}])
+    assert one.usage.input_tokens == small.usage.input_tokens + 599
+    two = alpha.responses.create(model=model, max_output_tokens=1, input="Again", previous_response_id=one.id)
+    whole = alpha.responses.create(model=model, max_output_tokens=1, store=False, input=[
+        {"role": "user", "content": [part]}, {"role": "assistant", "content": "xx"},
+        {"role": "user", "content": "Again"}])
+    assert two.usage.input_tokens == whole.usage.input_tokens
+    listed = alpha.responses.input_items.list(one.id).data[0]
+    assert listed.content[0].data == data  # the stored item is the base64 it was sent as

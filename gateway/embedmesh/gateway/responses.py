@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import orjson
+import pybase64
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -34,8 +36,10 @@ from starlette.routing import Route
 from embedmesh.core import auth
 from embedmesh.gateway.auth import authenticate_request
 from embedmesh.gateway.context import Gateway
+from embedmesh.gateway.embeds_json import Base64Text
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.paging import list_json, page_request
+from embedmesh.gateway.pieces_body import chat_pieces, pieces_call
 from embedmesh.gateway.requests import parse
 from embedmesh.gateway.requests.responses import ResponsesRequest
 from embedmesh.gateway.response_store import ResponseStore, Stored
@@ -67,20 +71,49 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
                     param=param, code="response_not_found", type_="not_found_error")
 
 
-def _unary(gw: Gateway, params: inference_pb2.ChatParams, blobs: list[bytes]) -> Any:
+def _call(gw: Gateway, params: inference_pb2.ChatParams, blobs: list[bytes], stream: bool) -> Any:
+    """The chat call, as the chat route makes it: big prompt_embeds payloads as pieces (``pieces_body``), other
+    decoded payloads spliced into the message bytes (``wire_body``), else the plain message."""
     timeout = gw.config.request_timeout_seconds
     if blobs:
-        return raw_unary_unary(gw.channel, "Chat", inference_pb2.ChatResponse)(chat_request_bytes(params, blobs),
-                                                                                timeout=timeout)
+        def one_message() -> bytes:
+            return chat_request_bytes(params, blobs)
+
+        pieces = chat_pieces(params, blobs, gw.config.pieces_min_bytes)
+        if pieces is not None:
+            return pieces_call(gw.channel, pieces, one_message, timeout, chat=True, stream=stream)
+        if stream:
+            return raw_unary_stream(gw.channel, "StreamChat", inference_pb2.StreamChatResponse)(one_message(),
+                                                                                                timeout=timeout)
+        return raw_unary_unary(gw.channel, "Chat", inference_pb2.ChatResponse)(one_message(), timeout=timeout)
+    if stream:
+        return gw.stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
     return gw.stub.Chat(inference_pb2.ChatRequest(params=params), timeout=timeout)
 
 
-def _streamed(gw: Gateway, params: inference_pb2.ChatParams, blobs: list[bytes]) -> Any:
-    timeout = gw.config.request_timeout_seconds
-    if blobs:
-        return raw_unary_stream(gw.channel, "StreamChat", inference_pb2.StreamChatResponse)(
-            chat_request_bytes(params, blobs), timeout=timeout)
-    return gw.stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
+def _plain(value: Any) -> Any:
+    """``value`` with each base64 string read already decoded (``embeds_json.Base64Text``) as base64 text again,
+    for the store."""
+    if type(value) is Base64Text:
+        return pybase64.b64encode(value.decoded).decode()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def responses_slots(body: Any) -> Iterator[tuple[Any, Any]]:
+    """Where /v1/responses reads base64 (``embeds_json``): ``input[k].content[j].data``."""
+    items = body.get("input") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("data"), str):
+                    yield part, "data"
 
 
 def _page(request: Request, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -135,7 +168,7 @@ class _Responses:
     # --- create --------------------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
         tenant = _tenant(request)
-        body = await self.gw.read_json(request)
+        body = await self.gw.read_json(request, responses_slots)
         r = parse(ResponsesRequest, body)
         history: list[dict[str, Any]] = []
         if r.previous_response_id is not None:
@@ -152,8 +185,8 @@ class _Responses:
             raise renamed(e, origins) from None
         store = r.store is not False
         turn = Turn(r, body, new_id("resp_"), int(time.time()), store)
-        items = item_ids(r.input)
-        conversation = history + new_messages
+        items = item_ids(_plain(r.input)) if store else []
+        conversation = history + _plain(new_messages) if store else []
 
         async def finished(status: str, response: dict[str, Any]) -> None:
             if store:
@@ -170,7 +203,7 @@ class _Responses:
             return _json(queued)
         if r.stream:
             return await self._stream(request, turn, params, blobs, origins, finished)
-        unary = _unary(self.gw, params, blobs)
+        unary = _call(self.gw, params, blobs, False)
         del blobs
         watcher = DisconnectWatcher(request.receive, unary)
         try:
@@ -191,7 +224,7 @@ class _Responses:
 
     async def _stream(self, request: Request, turn: Turn, params: Any, blobs: list[bytes], origins: list[Any],
                       finished: Any) -> Response:
-        call = _streamed(self.gw, params, blobs)
+        call = _call(self.gw, params, blobs, True)
         del blobs
         watcher = DisconnectWatcher(request.receive, call)
         try:
@@ -218,7 +251,7 @@ class _Responses:
         if not await db.set_if(tenant, turn.id, ("queued",), running):
             return  # cancelled before it started
         try:
-            resp = await _unary(self.gw, params, blobs)
+            resp = await _call(self.gw, params, blobs, False)
         except grpc.aio.AioRpcError as e:
             err = renamed(from_grpc(e), origins)
             failed = turn.json("failed", error={"code": err.code or "server_error", "message": err.message})
