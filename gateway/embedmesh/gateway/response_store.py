@@ -24,15 +24,25 @@ from typing import Any, TypeVar
 
 import orjson
 
+from embedmesh.core.logs import get_logger
+from embedmesh.gateway.errors import ApiError
+
 __all__ = ["ResponseStore", "Stored", "default_path"]
 
 T = TypeVar("T")
+log = get_logger("embedmesh.gateway.responses")
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
     tenant TEXT NOT NULL, id TEXT NOT NULL, created_at BIGINT NOT NULL, expires_at BIGINT NOT NULL,
     status TEXT NOT NULL, body TEXT NOT NULL, history TEXT NOT NULL, items TEXT NOT NULL,
     PRIMARY KEY (tenant, id))"""
 _PURGE_EVERY_S = 60.0
+
+
+def _unavailable(e: Exception) -> ApiError:
+    log.warning("response store failed: %s", type(e).__name__)
+    return ApiError(503, "the response store is unavailable; retry later", code="store_unavailable",
+                    type_="service_unavailable")
 
 
 def default_path() -> str:
@@ -94,7 +104,15 @@ class ResponseStore:
             raise
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """``fn`` on the database thread; a database that fails (down, disk full, locked) is a 503 to retry."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except (sqlite3.Error, OSError) as e:
+            raise _unavailable(e) from None
+        except Exception as e:
+            if type(e).__module__.startswith("psycopg"):
+                raise _unavailable(e) from None
+            raise
 
     # --- the API ---------------------------------------------------------------------------------------------------
     async def open(self) -> None:

@@ -108,3 +108,18 @@ def test_default_path_is_under_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert default_path() == str(tmp_path / "responses.sqlite3")
     assert ResponseStore("", 1).target == str(tmp_path / "responses.sqlite3")
     assert ResponseStore("postgresql://u@h/db", 1).postgres and not ResponseStore("/x/y.db", 1).postgres
+
+
+def test_a_database_that_fails_is_a_503(tmp_path: Path) -> None:
+    from embedmesh.gateway.errors import ApiError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+
+    async def go() -> None:
+        store = ResponseStore(str(blocker / "responses.sqlite3"), 3600)  # its folder cannot be made
+        with pytest.raises(ApiError) as e:
+            await store.get("alpha", "resp_1")
+        assert e.value.status == 503 and e.value.code == "store_unavailable"
+        await store.close()
+    run(go())

