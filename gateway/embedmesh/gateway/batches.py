@@ -222,7 +222,7 @@ def routes(gw: Gateway, batches: Batches) -> list[Route]:
             if line.url != endpoint:
                 raise bad_request("input_file_id", f"line {line.number}: url {line.url!r} is not the batch's "
                                                    f"endpoint {endpoint!r}", "endpoint_mismatch")
-        order = batch_lines.run_order(lines)
+        order = batch_lines.run_order(lines) if gw.config.batch_order == "prefix" else list(range(len(lines)))
         refused: dict[int, bytes] = {}
         for i, line in enumerate(lines):
             if line.stream:

@@ -46,6 +46,9 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     batch_pause_inflight: int = 1
     """Batch lines start only while fewer interactive requests than this are in flight at this gateway (lower
     priority than interactive traffic); 0 = they never wait."""
+    batch_order: str = option("prefix", choices=("prefix", "file"))
+    """Order a batch's lines run in: ``prefix`` (lines sharing a prompt start back to back, for the prefix cache)
+    or ``file`` (as in the file: for comparison in bench/bench_batch.py)."""
     batch_max_file_bytes: int = 100 << 20
     """Largest batch input file (``purpose=batch``), in bytes (>= 1 KiB)."""
     batch_max_lines: int = 50_000

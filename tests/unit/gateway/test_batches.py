@@ -139,3 +139,21 @@ def test_a_batch_is_created_listed_and_cancelled(tmp_path: Path) -> None:
     listed = http.get("/v1/batches").json()
     assert [x["id"] for x in listed["data"]] == [made["id"]] and not listed["has_more"]
     assert http.post(f"/v1/batches/{made['id']}/cancel").json()["status"] == "cancelling"
+
+
+@pytest.mark.parametrize(("order", "expected"), [("prefix", ["a2", "b1", "c0"]), ("file", ["c0", "b1", "a2"])])
+def test_lines_run_by_prefix_unless_file_order_is_configured(tmp_path: Path, order: str,
+                                                             expected: list[str]) -> None:
+    import asyncio
+
+    b = make(tmp_path, batch_order=order)
+    b.handlers = {"/v1/completions": None}  # type: ignore[dict-item]
+    http = route_client(batches.routes(b.gw, b) + files.routes(b.gw, None, b))
+    lines = [json.dumps({"custom_id": f"{p}{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "m", "prompt": p}}) for i, p in enumerate("cba")]
+    fid = http.post("/v1/files", data={"purpose": "batch"},
+                    files={"file": ("in.jsonl", "\n".join(lines).encode())}).json()["id"]
+    bid = http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                         "completion_window": "24h"}).json()["id"]
+    todo = asyncio.run(b.store.todo(bid, 10))
+    assert [w.custom_id for w in todo] == expected
