@@ -100,3 +100,41 @@ def test_bad_images_are_a_400_naming_the_part(mesh: Any, name: str, part: Any, w
     error = r.json()["error"]
     assert error["param"] == "messages[0].content[1].image_url", error
     assert words in error["message"] or words.lower() == error.get("code"), error
+
+
+def _grpc_chat(mesh: Any, image: Any, max_tokens: int = 12) -> Any:
+    import grpc
+
+    from embedmesh.core.server import channel_options
+    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+
+    params = inference_pb2.ChatParams(model=MODEL, messages=[inference_pb2.ChatMessage(role="user", parts=[
+        inference_pb2.ChatContentPart(image=image), inference_pb2.ChatContentPart(text=QUESTION)])])
+    params.sampling.max_tokens = max_tokens
+    params.sampling.temperature = 0.0
+    with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        return stub.Chat(inference_pb2.ChatRequest(params=params), timeout=120)
+
+
+def test_grpc_raw_image_bytes_give_the_rest_answer(mesh: Any, client: Any) -> None:
+    from embedmesh.inference.v1 import inference_pb2
+
+    chelsea = bundled("chelsea.png")
+    by_rest = ask(client, image_part(chelsea)).choices[0].message.content
+    resp = _grpc_chat(mesh, inference_pb2.ImageInput(data=chelsea))
+    assert resp.choices[0].text == by_rest
+    assert CAT_WORDS.search(resp.choices[0].text)
+
+
+def test_grpc_bad_image_bytes_name_the_part(mesh: Any) -> None:
+    import grpc
+
+    from embedmesh.core.errors import from_rpc_error
+    from embedmesh.inference.v1 import inference_pb2
+
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc_chat(mesh, inference_pb2.ImageInput(data=SVG))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    err = from_rpc_error(info.value)
+    assert err.field == "messages[0].content[0].image.data" and "SVG" in err.message
