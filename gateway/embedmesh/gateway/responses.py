@@ -54,6 +54,7 @@ __all__ = ["routes"]
 
 _RUNNING = ("queued", "in_progress")
 _CONTINUABLE = ("completed", "incomplete")
+_MARGIN_S = 30.0
 
 
 def _json(obj: Any) -> Response:
@@ -163,7 +164,19 @@ class _Responses:
         found = await (await self.db()).get(tenant, rid)
         if found is None:
             raise _not_found(rid, param)
+        if found.status in _RUNNING and self._abandoned(found):
+            failed = {**found.body, "status": "failed", "error": {
+                "code": "gateway_stopped", "message": "the gateway running this background response stopped "
+                                                      "before it finished; create it again"}}
+            await (await self.db()).set_if(tenant, rid, _RUNNING, Stored(rid, "failed", failed, [], []))
+            return await self.stored(tenant, rid, param)
         return found
+
+    def _abandoned(self, found: Stored) -> bool:
+        """A background run past its deadline (``request_timeout_seconds``, with a margin) that no gateway will
+        finish: the one running it stopped (every gateway's calls end by that deadline)."""
+        deadline = int(found.body.get("created_at") or 0) + self.gw.config.request_timeout_seconds + _MARGIN_S
+        return time.time() > deadline
 
     # --- create --------------------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:

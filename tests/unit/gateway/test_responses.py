@@ -159,3 +159,29 @@ def test_two_gateways_on_one_postgresql_continue_each_others_turns(gw: Harness, 
     b.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(first.id)
+
+
+def test_a_background_run_whose_gateway_stopped_reads_failed(gw: Harness, tmp_path: Path) -> None:
+    """A row left in_progress past the deadline (its gateway stopped mid-run) is reported failed, not forever
+    in progress."""
+    import asyncio
+    import time
+
+    from embedmesh.gateway.response_store import ResponseStore, Stored
+
+    db = str(tmp_path / "r.sqlite3")
+    old = {"id": "resp_old", "object": "response", "status": "in_progress", "background": True,
+           "created_at": int(time.time()) - 100, "output": []}
+
+    async def seed() -> None:
+        store = ResponseStore(db, 3600)
+        await store.put("default", Stored("resp_old", "in_progress", old, [], []))
+        await store.put("default", Stored("resp_new", "in_progress", {**old, "id": "resp_new",
+                                                                       "created_at": int(time.time())}, [], []))
+        await store.close()
+    asyncio.run(seed())
+    url = gw.run(gw._serve(GatewayConfig(port=0, preprocessor=gw.grpc.address, responses_db=db,
+                                         request_timeout_seconds=10)))
+    got = httpx.get(f"{url}/v1/responses/resp_old", timeout=10).json()
+    assert got["status"] == "failed" and got["error"]["code"] == "gateway_stopped"
+    assert httpx.get(f"{url}/v1/responses/resp_new", timeout=10).json()["status"] == "in_progress"
