@@ -185,3 +185,22 @@ def test_a_background_run_whose_gateway_stopped_reads_failed(gw: Harness, tmp_pa
     got = httpx.get(f"{url}/v1/responses/resp_old", timeout=10).json()
     assert got["status"] == "failed" and got["error"]["code"] == "gateway_stopped"
     assert httpx.get(f"{url}/v1/responses/resp_new", timeout=10).json()["status"] == "in_progress"
+
+
+def test_text_format_sampling_and_tool_choice_reach_the_chat_call(gw: Harness, sdk: openai.OpenAI) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    sdk.responses.create(model=MODEL, input="JSON please", max_output_tokens=33, temperature=0.25, top_p=0.5,
+                         text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+                         tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                         extra_body={"top_k": 4, "stop": ["END"], "seed": 9})
+    p = gw.fake.last("Chat").params
+    s = p.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, s.top_k, list(s.stop)) == (33, 0.25, 0.5, 9, 4, ["END"])
+    assert json.loads(s.structured.json_schema) == schema
+    assert p.tool_choice.function == "get_weather"
+    sdk.responses.create(model=MODEL, input="JSON", text={"format": {"type": "json_object"}}, tool_choice="none",
+                         tools=[TOOL])
+    p = gw.fake.last("Chat").params
+    assert p.sampling.structured.json_object and p.tool_choice.mode == "none"
