@@ -30,7 +30,9 @@ ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+:\d+|localhost:\d+")
 
 @pytest.fixture(scope="module")
 def mesh2() -> Iterator[Mesh]:
-    m = start_mesh(workers=2)
+    # Migration off: this test holds the containment of streams that cannot continue (tests/e2e/test_migration.py
+    # holds the streams continued on the survivor).
+    m = start_mesh(workers=2, env={"EMBEDMESH_PREPROCESSOR_MIGRATION_LIMIT": "0"})
     yield m
     m.stop()
 

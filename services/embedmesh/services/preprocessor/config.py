@@ -93,6 +93,14 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     image_fetch_timeout_seconds: float = 10.0
     """Deadline for fetching one http(s) image (with --image-url-hosts)."""
 
+    migration_limit: int = 1
+    """Times one sequence whose worker was lost or drained after tokens went to the client is continued on another
+    worker, from its prompt plus those tokens (the client sees one stream; ``docs/operations.md``); 0 = such a
+    request ends with UNAVAILABLE ``WORKER_LOST``."""
+    migration_max_positions: int = 32768
+    """Most positions (prompt + tokens already sent) a continuation may prefill again; a longer sequence ends with
+    ``WORKER_LOST`` instead. 0 = no limit."""
+
     def __post_init__(self) -> None:
         from embedmesh.services.preprocessor.tools import PARSERS
 
@@ -122,5 +130,7 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_image_bytes must be >= 1024 and max_image_pixels >= 1")
         if not self.image_fetch_timeout_seconds > 0:
             raise ValueError("image_fetch_timeout_seconds must be > 0")
+        if self.migration_limit < 0 or self.migration_max_positions < 0:
+            raise ValueError("migration_limit and migration_max_positions must be >= 0")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")

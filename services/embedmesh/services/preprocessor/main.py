@@ -20,6 +20,7 @@ from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 from embedmesh.services.preprocessor.fair_share import FairShare
+from embedmesh.services.preprocessor.migration import MigrationLimits
 from embedmesh.services.preprocessor.prompts import Tokenizer
 from embedmesh.services.preprocessor.service import InferenceDomain, Limits, ServedModels
 from embedmesh.services.preprocessor.servicer import InferenceServicer
@@ -65,7 +66,8 @@ async def serve(config: PreprocessorConfig) -> None:
     tokenizer = Tokenizer(folder)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand,
-                      worker_streams=config.worker_streams)
+                      worker_streams=config.worker_streams,
+                      migration=MigrationLimits(config.migration_limit, config.migration_max_positions))
     router: Routes | None = None
     embedded: RouterServicer | None = None
     router_config = RouterConfig.from_args([]) if config.embedded_router else None  # EMBEDMESH_ROUTER_* variables

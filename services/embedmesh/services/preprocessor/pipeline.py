@@ -6,8 +6,10 @@ Choice i of prompt p has index ``p * n + i``; with a seed, choice i samples with
 
 Worker failures: a sequence whose worker cannot be reached, refuses it (busy, draining) or aborts it before any
 output is retried once on another healthy worker; a worker lost at the transport is marked unhealthy at once
-(``WorkerPool.mark_lost``). A worker lost mid-stream ends the request with UNAVAILABLE ``WORKER_LOST`` and a retry
-delay. Messages sent to clients never name a worker's address (the log does).
+(``WorkerPool.mark_lost``). A worker lost or draining mid-stream has the sequence continued on another worker from
+its prompt plus the tokens already sent (``migration.py``, within its limits); one that cannot continue ends the
+request with UNAVAILABLE ``WORKER_LOST`` and a retry delay. Messages sent to clients never name a worker's address
+(the log does).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from embedmesh.services.preprocessor.metrics import (
     WORKER_FAILURES,
     WORKER_RETRIES,
 )
+from embedmesh.services.preprocessor.migration import Resume, continuation
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
 from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN, ChunkedBody
@@ -129,8 +132,9 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
                 if chunked else b"".join([req.SerializeToString(), *segment])
             pick = _picker(pool, router, job.served_model, hashes, len(job.prompts[p_index]), req.request_id,
                            job.adapter)
+            resume = Resume(pool.migration, len(prompt))
             tasks.append(asyncio.create_task(_one(index, req, pick, out, pool, job.served_model, job.adapter,
-                                                  body=body)))
+                                                  body=body, resume=resume)))
     remaining = len(tasks)
     completion = 0
     t0 = time.perf_counter()
@@ -324,27 +328,46 @@ async def _one(
     adapter: str = "",
     *,
     body: bytes | ChunkedBody | None = None,
+    resume: Resume | None = None,
 ) -> None:
     """Stream one sequence from a worker into ``out`` (``body``: ``req`` with its segments, already serialized;
     without it ``req`` is sent as it is): pick a worker, call it, classify how the call ended; a failure before
-    any output that a rule of ``_RETRIES`` takes is retried once on another worker (see the module docstring)."""
+    any output that a rule of ``_RETRIES`` takes is retried once on another worker, a cut after output is continued
+    on another worker when ``resume``'s limits allow (see the module docstring)."""
     failed: WorkerHandle | None = None
-    for attempt in range(2):
+    resume = resume or Resume()
+    cut: _Failure | None = None
+    """The failure that first cut the stream after output went out: what the client gets if it cannot continue."""
+    attempt = 0
+    while True:
         a = _Attempt()
         try:
-            failure = await _call(a, index, req, pick, out, pool, model, adapter, body, attempt, failed)
+            failure = await _call(a, index, req, pick, out, pool, model, adapter, body, attempt, failed, resume)
             if failure is None:
                 return
-            rule = None
-            if not a.sent and attempt == 0 and pool is not None:
-                rule = next((r for r in _RETRIES if r.applies(failure, adapter, a.worker)), None)
-            if rule is None:
-                out.put_nowait(failure.error(a.sent))
-                return
-            if rule.refresh and pool is not None and a.worker is not None:
-                await pool.refresh_adapters(a.worker)
+            if resume.started:
+                cut = cut or failure
+                if _ended_at_cut(index, req, resume, out):
+                    return
+                if not resume.decide(pool, model, adapter, a.worker, (failure.code, failure.reason),
+                                     req.request_id):
+                    out.put_nowait(cut.error(True))
+                    return
+                req, body = continuation(req, body, resume)
+                log.info("continuing a stream on another worker", extra={
+                    "request_id": req.request_id, "tokens_sent": len(resume.ids), "migration": resume.migrations})
+            else:
+                rule = None
+                if attempt == 0 and pool is not None:
+                    rule = next((r for r in _RETRIES if r.applies(failure, adapter, a.worker)), None)
+                if rule is None:
+                    out.put_nowait(failure.error(False))
+                    return
+                if rule.refresh and pool is not None and a.worker is not None:
+                    await pool.refresh_adapters(a.worker)
+                WORKER_RETRIES.labels(rule.label(failure)).inc()
             failed = a.worker
-            WORKER_RETRIES.labels(rule.label(failure)).inc()
+            attempt += 1
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to INTERNAL
             out.put_nowait(e)
             return
@@ -355,16 +378,29 @@ async def _one(
                 a.worker.inflight -= 1
 
 
+def _ended_at_cut(index: int, req: worker_pb2.GenerateRequest, resume: Resume,
+                  out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException]) -> bool:
+    """Every token the request asked for went out before the cut (only the finish was lost): end the sequence here
+    instead of continuing it."""
+    if not req.sampling.HasField("max_tokens") or len(resume.ids) < req.sampling.max_tokens + resume.offset:
+        return False
+    out.put_nowait((index, worker_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                                                       completion_tokens=len(resume.ids))))
+    return True
+
+
 async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
                 pick: Callable[[], Awaitable[WorkerHandle]],
                 out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
                 pool: WorkerPool | None, model: str, adapter: str, body: bytes | ChunkedBody | None, attempt: int,
-                failed: WorkerHandle | None) -> _Failure | None:
-    """One try: pick (the first try asks ``pick``; the retry the pool, past the failed worker), call and stream
-    into ``out``. None when the sequence ended; else how the try failed."""
+                failed: WorkerHandle | None, resume: Resume) -> _Failure | None:
+    """One try: pick (the first try asks ``pick``; the retry the pool, past the failed worker; a continuation a
+    worker that resumes), call and stream into ``out``. None when the sequence ended; else how the try failed."""
     try:
         if attempt == 0 or pool is None:
             a.worker = await pick()
+        elif resume.started:
+            a.worker = pool.pick(model, exclude=failed, adapter=adapter, resuming=True)
         elif adapter:
             a.worker = await pool.ensure_adapter(model, adapter, exclude=failed)
         else:
@@ -377,7 +413,7 @@ async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
                                                                 "request_id": req.request_id, "sent": a.sent})
                 return _Failure()
             a.sent = True
-            out.put_nowait((index, resp))
+            out.put_nowait((index, resume.deliver(resp)))
             while out.qsize() > BACKLOG:  # the reader is behind: stop reading the worker (gRPC flow control
                 await asyncio.sleep(0.002)  # holds it back) until the reader took what is queued
         return None

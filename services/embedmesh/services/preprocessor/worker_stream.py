@@ -9,9 +9,10 @@ it when no longer wanted (a cancel frame tells the worker to abort it).
 The stream opens on first use and re-opens on the next generation after it ends. When it ends — the worker died
 (transport error), drained (it ends its streams once idle) or refused the method — every generation still on it
 fails with that status (UNAVAILABLE ``WORKER_DRAINING`` when the stream ended cleanly, and for the generations not
-yet answered when the stream was cut as a frame was written — ``core.mux.CUT_WHILE_WRITING``), which the pipeline retries
-on another worker when nothing was sent yet. A worker that does not know GenerateMany (UNIMPLEMENTED: an older
-worker during a rolling upgrade) is remembered, and its generations, this one included, go as ``Generate`` calls.
+yet answered when the stream was cut as a frame was written — ``core.mux.CUT_WHILE_WRITING``), which the pipeline
+retries on another worker when nothing was sent yet, and continues there when output was sent (``migration.py``).
+A worker that does not know GenerateMany (UNIMPLEMENTED: an older worker during a rolling upgrade) is remembered,
+and its generations, this one included, go as ``Generate`` calls.
 
 The stream itself (one writer task batching frames, one reader task, opened from an empty context on a channel of
 its own without client interceptors, the mesh token as call metadata) is ``core.mux.MuxSession``; each frame

@@ -21,6 +21,7 @@ from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.services.preprocessor.config import WORKER_STREAMS
+from embedmesh.services.preprocessor.migration import MigrationLimits
 from embedmesh.services.preprocessor.worker_chunks import ChunkedBody, ChunkedCall
 from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -85,8 +86,11 @@ class WorkerPool:
     """Watches each worker's grpc.health.v1 status and keeps its GetInfo."""
 
     def __init__(self, addresses: tuple[str, ...], max_message_bytes: int, *,
-                 lora_load_on_demand: bool = False, worker_streams: str = "all") -> None:
+                 lora_load_on_demand: bool = False, worker_streams: str = "all",
+                 migration: MigrationLimits | None = None) -> None:
         self.workers: list[WorkerHandle] = []
+        self.migration = migration or MigrationLimits()
+        """How far a sequence cut mid-stream may be continued on another worker (``migration.py``)."""
         self._max_message_bytes = max_message_bytes
         if worker_streams not in WORKER_STREAMS:
             raise ValueError(f"worker_streams must be {', '.join(WORKER_STREAMS[:-1])} or {WORKER_STREAMS[-1]}, got "
@@ -292,10 +296,20 @@ class WorkerPool:
         assert info is not None
         return info
 
-    def pick(self, model: str, exclude: WorkerHandle | None = None, adapter: str = "") -> WorkerHandle:
-        """Round robin over healthy workers of ``model`` (other than ``exclude``; holding ``adapter`` if given)."""
+    def resumable(self, model: str, adapter: str = "", exclude: WorkerHandle | None = None) -> list[WorkerHandle]:
+        """Healthy workers of ``model`` (holding ``adapter``; other than ``exclude``) that continue a generation
+        from its resumed tokens (GetInfo ``resumes_generation``): where a migrated stream may go."""
+        return [w for w in self.models().get(model, []) if w.healthy and w is not exclude
+                and (not adapter or adapter in w.adapters) and w.info is not None and w.info.resumes_generation]
+
+    def pick(self, model: str, exclude: WorkerHandle | None = None, adapter: str = "",
+             resuming: bool = False) -> WorkerHandle:
+        """Round robin over healthy workers of ``model`` (other than ``exclude``; holding ``adapter`` if given;
+        with ``resuming``, only those that continue a generation)."""
         group = [w for w in self.models().get(model, []) if w.healthy and w is not exclude
                  and (not adapter or adapter in w.adapters)]
+        if resuming:
+            group = self.resumable(model, adapter, exclude)
         if not group and adapter:
             raise Unavailable(f"no healthy worker holds the LoRA adapter {adapter!r}; retry shortly or load it "
                               "again", field="model", reason="NO_HEALTHY_WORKER", retry_after_seconds=1.0)

@@ -52,7 +52,7 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> Gene
             segments.append(EmbedsSegment(rows))
         else:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")
-    request = GenerationRequest(req.request_id, segments, sampling, req.lora_adapter)
+    request = GenerationRequest(req.request_id, segments, sampling, req.lora_adapter, tuple(req.resume_token_ids))
     check_generation(request, info)
     return request
 
@@ -101,7 +101,7 @@ def delta_to_proto(d: GenerationDelta, prompt_tokens: int,
     return msg
 
 
-def info_to_proto(info: ModelInfo, worker_id: str) -> worker_pb2.GetInfoResponse:
+def info_to_proto(info: ModelInfo, worker_id: str, resumes: bool = False) -> worker_pb2.GetInfoResponse:
     return worker_pb2.GetInfoResponse(
         model=info.model,
         engine=info.engine,
@@ -114,4 +114,5 @@ def info_to_proto(info: ModelInfo, worker_id: str) -> worker_pb2.GetInfoResponse
         task=worker_pb2.MODEL_TASK_EMBED if info.task == "embed" else worker_pb2.MODEL_TASK_GENERATE,
         embedding_size=info.embedding_size,
         supports_dimensions=info.supports_dimensions,
+        resumes_generation=resumes,
     )

@@ -45,6 +45,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Every engine relies on these checks (sampling ranges, finite rows, shapes, token ids, context), whoever
         # sent the request: they run here, once, for all engines.
         req = request_from_proto(request, await self.engine.ready_info())
+        if req.resumed and not self.engine.resumes:
+            raise FailedPrecondition(f"resume_token_ids: the {self.engine.info().engine} engine cannot continue a "
+                                     "generation", field="resume_token_ids", reason="RESUME_UNSUPPORTED")
         self._admit()
         prompt_len = req.prompt_len
         wants_text = req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None
@@ -84,7 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetInfo(  # noqa: N802
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetInfoResponse:
-        return info_to_proto(self.engine.info(), self.worker_id)
+        return info_to_proto(self.engine.info(), self.worker_id, self.engine.resumes)
 
     async def Embed(  # noqa: N802
         self, request: worker_pb2.EmbedRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,9 @@ Each refusal is an InvalidArgument naming the field and the rule (reason in pare
   EMPTY_EMBEDS, NON_FINITE) — checked where the wire dtype is still known (``embeds_from_wire``)
 - prompt + max_tokens fit the model's context (CONTEXT_OVERFLOW, the rule of ``core.context``)
 - logit_bias token ids are in the vocabulary (TOKEN_OUT_OF_RANGE, field logit_bias)
-- prompt log-probabilities only for prompts made of token ids (PROMPT_LOGPROBS_WITH_EMBEDS)
+- prompt log-probabilities only for prompts made of token ids (PROMPT_LOGPROBS_WITH_EMBEDS), and not with resumed
+  tokens (PROMPT_LOGPROBS_WITH_RESUME: the first worker sent them)
+- resumed token ids are in the vocabulary (TOKEN_OUT_OF_RANGE, field resume_token_ids); the context counts them
 Sampling ranges are checked by ``embedmesh.core.sampling.sampling_from_proto`` and the vocabulary rule by
 ``embedmesh.core.model_rules.check_sampling_for_model``, the rules the preprocessor uses too.
 """
@@ -72,10 +74,17 @@ def check_generation(request: GenerationRequest, info: ModelInfo) -> None:
                 raise InvalidArgument(
                     f"prompt_embeds: expected a (rows, {info.hidden_size}) tensor, got shape {list(rows.shape)}",
                     field="prompt_embeds", reason="BAD_SHAPE")
+    bad = next((t for t in request.resumed if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"resume_token_ids: token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+                              field="resume_token_ids", reason="TOKEN_OUT_OF_RANGE")
+    if request.resumed and request.sampling.prompt_logprobs is not None:
+        raise InvalidArgument("prompt_logprobs: a resumed generation does not score its prompt again",
+                              field="prompt_logprobs", reason="PROMPT_LOGPROBS_WITH_RESUME")
     check_sampling_for_model(request.sampling, info.vocab_size)
     if request.sampling.prompt_logprobs is not None and any(isinstance(g, EmbedsSegment) for g in request.segments):
         raise InvalidArgument("prompt_logprobs: log-probabilities of the prompt need token ids; embedding rows have "
                               "no token to score (send a text or token-id prompt)", field="prompt_logprobs",
                               reason="PROMPT_LOGPROBS_WITH_EMBEDS")
-    check_context(request.prompt_len, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
+    check_context(request.positions, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
                   wording=REQUEST)

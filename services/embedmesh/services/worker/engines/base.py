@@ -121,10 +121,21 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     lora_adapter: str = ""
     """A loaded LoRA adapter's name; empty = the base model."""
+    resumed: tuple[int, ...] = ()
+    """Tokens this sequence already generated on another worker (a migrated stream): the engine continues after
+    them as if it had generated them (they follow the prompt as positions; every sampling setting but
+    ``max_tokens`` sees them as generated: penalties, min_tokens, the seed's offset), and streams only what follows.
+    Only engines whose ``resumes`` is True get such a request."""
 
     @property
     def prompt_len(self) -> int:
+        """The prompt's positions (without ``resumed``)."""
         return sum(len(s) for s in self.segments)
+
+    @property
+    def positions(self) -> int:
+        """Positions before the first token to generate: the prompt's and the resumed tokens'."""
+        return self.prompt_len + len(self.resumed)
 
 
 @dataclass(frozen=True)
@@ -208,6 +219,10 @@ class KvEventSource(Protocol):
 
 class Engine(ABC):
     """An inference engine behind a worker."""
+
+    resumes: bool = False
+    """Whether the engine continues a generation from ``GenerationRequest.resumed`` (stream migration); the
+    servicer refuses such a request for an engine that does not (FAILED_PRECONDITION ``RESUME_UNSUPPORTED``)."""
 
     @abstractmethod
     async def start(self) -> None:

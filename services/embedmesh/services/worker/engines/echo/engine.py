@@ -22,7 +22,10 @@ __all__ = ["EchoEngine"]
 
 
 class EchoEngine(Engine):
-    """Answers every request with "x" × max_tokens, one delta per token."""
+    """Answers every request with "x" × max_tokens, one delta per token (a resumed request: the "x"s still to
+    generate, so a migrated stream reads as an undisturbed one)."""
+
+    resumes = True
 
     def __init__(self, served_name: str = "echo", hidden_size: int = 576, max_context_tokens: int = 1 << 20) -> None:
         self._info = ModelInfo(served_name, "echo", hidden_size, max_context_tokens, "float32", 49152, 256)

@@ -14,14 +14,25 @@ __all__ = ["IncrementalDetokenizer"]
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] | list[str] = (), resumed: tuple[int, ...] = ()) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
-        self._ids: list[int] = []
+        self._ids: list[int] = list(resumed)
         self._sent = 0
         """Characters of the decoded text already released."""
         self.emitted_tokens = 0
         """Token ids already reported in a delta (bookkeeping for the engine)."""
+        if resumed:
+            # Tokens generated elsewhere (a migrated stream): their text went out up to where this detokenizer would
+            # have released it (held back: a trailing incomplete character, a tail that may grow into a stop).
+            self._sent = self._releasable(self._text())
+
+    def _releasable(self, text: str) -> int:
+        """How much of ``text`` may be released when no stop string is in it."""
+        end = len(text)
+        while end > self._sent and text[end - 1] == "\ufffd":
+            end -= 1
+        return end - self._held_tail(text[:end])
 
     def _text(self) -> str:
         return self._tokenizer.decode(self._ids, skip_special_tokens=True)
@@ -48,10 +59,7 @@ class IncrementalDetokenizer:
                 delta = text[self._sent:end] if end > self._sent else ""
                 self._sent = max(self._sent, end)
                 return delta, True
-        end = len(text)
-        while end > self._sent and text[end - 1] == "\ufffd":
-            end -= 1
-        end -= self._held_tail(text[:end])
+        end = self._releasable(text)
         if end <= self._sent:
             return "", False
         delta = text[self._sent:end]

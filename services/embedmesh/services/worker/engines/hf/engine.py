@@ -6,7 +6,8 @@ never waits for the whole batch to finish. Finished or aborted rows leave the ba
 
 Every prompt is prefilled from embeddings: token ids go through the model's own embedding layer first. So a
 prompt given as ``embed_tokens(ids)`` and the same prompt given as ids run the identical computation, and greedy
-decoding gives the same text.
+decoding gives the same text. A resumed request (a stream migrated from a lost worker) prefills its resumed
+tokens after the prompt the same way and goes on from there.
 
 The parts (vLLM v1's split): ``scheduler.py`` what runs next (the inbox, aborts), ``runner.py`` the forward passes
 and the batch's KV cache (its invariants are in its docstring), ``sampler.py`` logits to tokens and the stop rules,
@@ -54,6 +55,10 @@ log = get_logger(__name__)
 
 class HFEngine(Engine):
     """transformers on the CPU; see the module docstring for the batching scheme."""
+
+    resumes = True
+    """A resumed request's tokens are prefilled after its prompt (through the embedding layer, as every token is),
+    and the sampler, the detokenizer and the grammar continue from them (``sampler.Sampler.prepare``)."""
 
     def __init__(self, config: HFEngineConfig) -> None:
         self.config = config
@@ -174,7 +179,7 @@ class HFEngine(Engine):
             request=request,
             out=asyncio.Queue(),
             loop=asyncio.get_running_loop(),
-            detok=IncrementalDetokenizer(self.tokenizer, request.sampling.stop),
+            detok=IncrementalDetokenizer(self.tokenizer, request.sampling.stop, request.resumed),
         )
         by_id[request.request_id] = seq
         self._scheduler.inbox.put(seq)

@@ -124,6 +124,8 @@ class ModelRunner:
                 else:
                     t = torch.from_numpy(np.array(rows, copy=True))
                 parts.append(t.to(self.dtype))
+        if s.request.resumed:  # a migrated stream's tokens, after the prompt
+            parts.append(self.embed(torch.tensor(s.request.resumed, dtype=torch.long)))
         return torch.cat(parts, dim=0)
 
     def prefill(self, embeds: list[Any], ready: list[Seq], net: Any, forward_args: dict[str, Any]) -> Prefill:

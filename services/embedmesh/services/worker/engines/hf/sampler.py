@@ -25,12 +25,21 @@ from embedmesh.services.worker.engines.hf import logits as logits_ops
 from embedmesh.services.worker.engines.hf.runner import ModelRunner
 from embedmesh.services.worker.engines.hf.sequence import Seq
 
-__all__ = ["Sampler", "GREEDY_BELOW"]
+__all__ = ["Sampler", "GREEDY_BELOW", "step_seed"]
 
 log = get_logger(__name__)
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this decode greedily (vLLM's convention): dividing logits by them overflows float32."""
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of step ``step`` (tokens generated before it) of a sequence seeded with ``seed``: a
+    64-bit mix of both, so a sequence continued elsewhere after ``step`` tokens draws what it would have drawn."""
+    x = (seed + step * 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
 
 
 class Sampler:
@@ -43,16 +52,21 @@ class Sampler:
         """``StructuredCompiler`` for this tokenizer, built on first use (in the engine thread)."""
 
     def prepare(self, s: Seq) -> None:
-        """A new sequence's random generator (seeded when its request gives a seed) and grammar matcher."""
+        """A new sequence's random generator and grammar matcher; a resumed one's (a migrated stream) state as if
+        it had generated its resumed tokens itself: penalty counts, the grammar advanced past them."""
         torch = self._runner.torch
-        seed = s.request.sampling.seed
         s.generator = torch.Generator()
-        if seed is not None:
-            s.generator.manual_seed(int(seed))
-        else:
+        if s.request.sampling.seed is None:
             s.generator.seed()
         if s.request.sampling.structured is not None:
             s.matcher = self._compiler().matcher(s.request.sampling.structured)
+        p = s.request.sampling
+        for token in s.request.resumed:
+            if p.frequency_penalty or p.presence_penalty:
+                s.counts[token] = s.counts.get(token, 0) + 1
+            if s.matcher is not None and not s.matcher.accept(token):
+                raise InvalidArgument("resume_token_ids: the resumed tokens break the structured-output constraint",
+                                      field="resume_token_ids", reason="RESUME_BREAKS_GRAMMAR")
 
     def _compiler(self) -> Any:
         if self._structured is None:
@@ -87,7 +101,8 @@ class Sampler:
         row = raw
         if logits_ops.needs_processing(p):
             prompt_ids = (t for g in s.request.segments if isinstance(g, TokenSegment) for t in g.ids)
-            row = logits_ops.process(raw, p, generated=s.generated, counts=s.counts, prompt_ids=prompt_ids,
+            generated = [*s.request.resumed, *s.generated] if s.request.resumed else s.generated
+            row = logits_ops.process(raw, p, generated=generated, counts=s.counts, prompt_ids=prompt_ids,
                                      eos_ids=self._runner.eos_ids)
         if s.matcher is not None:
             row = row.clone() if row is raw else row
@@ -113,6 +128,8 @@ class Sampler:
             kth = torch.topk(z, p.top_k).values[-1]
             z = z.masked_fill(z < kth, float("-inf"))
         probs = torch.softmax(z, dim=-1)
+        if p.seed is not None:  # each step's draw depends on the seed and the step alone: a resumed sequence
+            s.generator.manual_seed(step_seed(p.seed, len(s.request.resumed) + len(s.generated)))  # continues it
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = sorted_probs.cumsum(-1)

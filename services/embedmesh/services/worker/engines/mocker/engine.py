@@ -12,7 +12,9 @@ One scheduler task runs steps while there is work, continuous-batching style:
 
 Token ids are drawn from a generator seeded by ``--mocker-seed``, the prompt's last block hash (or its length) and
 the request's own seed, so the same prompt gives the same output whatever else runs. Sampling parameters other than
-``max_tokens`` and ``seed`` are ignored; there is no stop string or end-of-sequence token.
+``max_tokens`` and ``seed`` are ignored; there is no stop string or end-of-sequence token. A resumed request (a
+migrated stream, ``GenerationRequest.resumed``) holds its resumed tokens in the cache after the prompt and draws as
+many ids first, so it continues exactly where the lost worker's stream stopped.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class _Seq:
 
 class MockerEngine(Engine, KvEventSource):
     """Simulated engine (see the module docstring); ``sleep`` is injectable for tests."""
+
+    resumes = True
 
     def __init__(self, served_name: str, block_size: int, options: MockerOptions,
                  sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep) -> None:
@@ -180,10 +184,16 @@ class MockerEngine(Engine, KvEventSource):
 
     # --- scheduling ------------------------------------------------------------------------------------------
     def _sequence(self, request: GenerationRequest) -> _Seq:
-        hashes = adapter_block_hashes(block_hashes(_pieces(request.segments), self.block_size),
-                                      request.lora_adapter)
+        prompt = _pieces(request.segments)
+        hashes = adapter_block_hashes(block_hashes(prompt, self.block_size), request.lora_adapter)
         seed = f"{self.options.mocker_seed}:{hashes[-1] if hashes else request.prompt_len}:{request.sampling.seed}"
-        return _Seq(request, hashes, request.prompt_len, max(request.sampling.max_tokens, 1), random.Random(seed))
+        rng = random.Random(seed)
+        if request.resumed:  # the ids the lost worker drew: drawn again, so the next one is the one it would draw
+            for _ in request.resumed:
+                rng.randrange(self.options.mocker_vocab_size)
+            hashes = adapter_block_hashes(block_hashes([*prompt, request.resumed], self.block_size),
+                                          request.lora_adapter)
+        return _Seq(request, hashes, request.positions, max(request.sampling.max_tokens, 1), rng)
 
     async def _run(self) -> None:
         try:
@@ -257,7 +267,7 @@ class MockerEngine(Engine, KvEventSource):
         if s.alloc is not None:
             hashes: list[int] = []
             if full:
-                pieces = [*_pieces(s.request.segments), tuple(s.generated)]
+                pieces = [*_pieces(s.request.segments), tuple(s.request.resumed) + tuple(s.generated)]
                 hashes = adapter_block_hashes(block_hashes(pieces, self.block_size), s.request.lora_adapter)
             self.cache.release(s.alloc, hashes)
 
