@@ -1,0 +1,201 @@
+"""The encode stage in the preprocessor: a chat image part -> embedding rows for the served model, cached.
+
+    ImageSource       a URL (``data:``, or ``http(s)`` from an allowed host) or the file's bytes (gRPC)
+      -> bytes        ``decode.data_url_bytes`` / ``fetch.fetch_image`` (caps before allocation)
+      -> pixels       ``decode.decode_image`` in a thread: allowlisted format, pixel cap from the header (a file
+                      whose bytes were decoded before is not decoded again: its BLAKE3 maps to its pixel digest)
+      -> encoder      one per model folder, built on first use (torch is imported then, not at start-up):
+                      EfficientNet-Lite0 + the class-name projector over that model's own input embeddings
+      -> cache        rows kept in the encoder cache (L1, Redis L2 when configured) under
+                      ``v1:image:<encoder digest>:<dtype>:<pixel digest>``: computed by the server from the decoded
+                      pixels and the encoder's identity, in the key space no client can write; concurrent requests
+                      for one image share one encode (``TieredCache.get_or_compute``)
+      -> rows         validated with the prompt_embeds rules (``core.embeds``), in the model dtype, read-only
+
+The rows then travel exactly like a chat ``prompt_embeds`` part. Their routing block hashes are computed over the
+rows (``core.block_hash``), and the rows are a function of the pixel digest alone, so a repeated image gives the
+same block hashes and routes to the worker holding its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import blake3
+import numpy as np
+
+from embedmesh.core.context import ROWS, check_context
+from embedmesh.core.embeds import ModelSpec, validate_embeds
+from embedmesh.core.errors import InvalidArgument
+from embedmesh.services.encoder_cache.keys import validated_key
+from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
+from embedmesh.tensor.v1 import tensor_pb2
+from embedmesh.vision.decode import ImageLimits, data_url_bytes, decode_image
+from embedmesh.vision.fetch import fetch_image, is_http_url
+from embedmesh.vision.metrics import IMAGE_CACHE_HITS, IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
+
+__all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder"]
+
+_SEEN = 4096
+"""Image files whose pixel digest is remembered (32 + 64 bytes each)."""
+
+ENCODERS = ("efficientnet-lite0", "off")
+"""``--image-encoder`` values: the EfficientNet-Lite0 soft prompt (default), or no images."""
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image part as it arrived: a URL or the file's bytes."""
+
+    url: str = ""
+    data: bytes | None = None
+
+
+class Encoder(Protocol):
+    identity: str
+    hidden_size: int
+    name: str
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        """``(H, W, 3)`` uint8 -> ``(rows, hidden_size)`` float32."""
+        ...
+
+
+class SoftPromptEncoder:
+    """EfficientNet-Lite0 + the class-name projector over one language model's input embeddings."""
+
+    name = "efficientnet-lite0"
+
+    def __init__(self, folder: Path, threads: int = 1) -> None:
+        from embedmesh.services.preprocessor.prompts import Tokenizer
+        from embedmesh.vision.efficientnet import EfficientNetLite0, imagenet_class_names
+        from embedmesh.vision.projector import ClassNameProjector
+
+        self.tower = EfficientNetLite0(threads=threads)
+        tokenizer = Tokenizer(folder)
+        self.projector = ClassNameProjector(input_embeddings(folder), lambda t: tokenizer.encode(t, False),
+                                            imagenet_class_names())
+        self.hidden_size = self.projector.hidden_size
+        self.identity = f"{self.tower.identity}+{self.projector.identity}"
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        return self.projector.rows(self.tower.classify(pixels))
+
+
+def input_embeddings(folder: Path) -> np.ndarray:
+    """The language model's ``(vocab, hidden)`` input embedding matrix from its safetensors, as float32."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.endswith(("embed_tokens.weight", "wte.weight", "word_embeddings.weight")):
+                    return np.asarray(st.get_tensor(key).float().numpy())
+    raise RuntimeError(f"{folder} holds no input embedding matrix (embed_tokens.weight) in *.safetensors")
+
+
+def soft_prompt_encoder(folder: Path) -> Encoder:
+    return SoftPromptEncoder(folder)
+
+
+class VisionStage:
+    """Image parts -> rows for the model that serves the request (see the module docstring)."""
+
+    def __init__(self, cache: TieredCache, *, limits: ImageLimits, folder_of: Callable[[str], Path | None],
+                 encoder: str = "efficientnet-lite0", hosts: Sequence[str] = (), fetch_timeout_seconds: float = 10.0,
+                 factory: Callable[[Path], Encoder] = soft_prompt_encoder) -> None:
+        if encoder not in ENCODERS:
+            raise ValueError(f"image encoder must be one of {list(ENCODERS)}, got {encoder!r}")
+        self.cache = cache
+        self.limits = limits
+        self.folder_of = folder_of
+        self.encoder = encoder
+        self.hosts = tuple(hosts)
+        self.fetch_timeout_seconds = fetch_timeout_seconds
+        self.factory = factory
+        self._encoders: dict[Path, Encoder] = {}
+        self._loading = asyncio.Lock()
+        self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads
+        self._seen: OrderedDict[bytes, str] = OrderedDict()
+        """BLAKE3 of an image file's bytes -> its pixel digest, for files decoded before (LRU, ``_SEEN``)."""
+
+    async def _encoder_for(self, model: str, spec: ModelSpec, field: str) -> Encoder:
+        folder = self.folder_of(model) if self.encoder != "off" else None
+        if folder is None:
+            raise InvalidArgument(f"{field}: this server has no image encoder for model {model!r}; send text or "
+                                  "prompt_embeds parts", field=field, reason="IMAGES_UNSUPPORTED")
+        enc = self._encoders.get(folder)
+        if enc is None:
+            async with self._loading:
+                enc = self._encoders.get(folder)
+                if enc is None:
+                    enc = await asyncio.to_thread(self.factory, folder)
+                    self._encoders[folder] = enc
+        if enc.hidden_size != spec.hidden_size:
+            raise InvalidArgument(f"{field}: the image encoder gives rows of {enc.hidden_size} values, model "
+                                  f"{model!r} takes {spec.hidden_size}", field=field, reason="IMAGES_UNSUPPORTED")
+        return enc
+
+    async def image_bytes(self, source: ImageSource, field: str) -> bytes:
+        if source.data is not None:
+            return source.data
+        url = source.url
+        if url[:5].lower() == "data:":
+            return data_url_bytes(url, field, self.limits)
+        if is_http_url(url):
+            return await asyncio.to_thread(fetch_image, url, field, hosts=self.hosts, max_bytes=self.limits.max_bytes,
+                                           timeout_seconds=self.fetch_timeout_seconds)
+        raise InvalidArgument(f"{field}: must be a data: URL (data:image/png;base64,...) or an http(s) URL",
+                              field=field, reason="BAD_URL")
+
+    async def rows(self, source: ImageSource, *, model: str, spec: ModelSpec, field: str,
+                   max_tokens: int) -> np.ndarray:
+        """Validated ``(rows, hidden)`` in the model dtype for one image part, checked against the context."""
+        if self.encoder == "off":
+            raise InvalidArgument(f"{field}: images are not accepted by this server (--image-encoder off)",
+                                  field=field, reason="IMAGES_DISABLED")
+        data = await self.image_bytes(source, field)
+        # Bytes decoded here before map to their pixel digest: a repeated file skips decoding (the digest is the
+        # server's own, from a file that passed every rule under these limits).
+        file_digest = blake3.blake3(data, max_threads=blake3.blake3.AUTO).digest()
+        digest = self._seen.get(file_digest)
+        image = None
+        if digest is None:
+            image = await asyncio.to_thread(decode_image, data, field, self.limits)
+            digest = image.digest
+            self._seen[file_digest] = digest
+            if len(self._seen) > _SEEN:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(file_digest)
+        enc = await self._encoder_for(model, spec, field)
+        encoder_digest = blake3.blake3(enc.identity.encode()).hexdigest()[:32]
+        key = validated_key(f"image:{encoder_digest}:{spec.dtype}", digest)
+        computed = False
+
+        async def encode() -> CachedTensor:
+            nonlocal computed, image
+            computed = True
+            if image is None:  # the file was seen, its rows since evicted
+                image = await asyncio.to_thread(decode_image, data, field, self.limits)
+            async with self._running:
+                started = time.perf_counter()
+                out = await asyncio.to_thread(enc.encode, image.pixels)
+                IMAGE_ENCODE_SECONDS.labels(enc.name).observe(time.perf_counter() - started)
+            IMAGE_ENCODES.labels(enc.name).inc()
+            rows = validate_embeds(out, tensor_pb2.DATA_TYPE_FP32, spec, field=field, max_tokens=0)
+            rows.setflags(write=False)
+            return CachedTensor(rows, spec.dtype)
+
+        rows = (await self.cache.get_or_compute(key, encode)).array
+        if not computed:
+            IMAGE_CACHE_HITS.labels(enc.name).inc()
+        check_context(int(rows.shape[0]), max_tokens, spec.max_context_tokens, field=field, wording=ROWS)
+        return rows
