@@ -32,7 +32,8 @@ import numpy as np
 
 from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
-from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.errors import FailedPrecondition, InvalidArgument
+from embedmesh.core.logs import get_logger
 from embedmesh.services.encoder_cache.keys import validated_key
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
 from embedmesh.tensor.v1 import tensor_pb2
@@ -41,6 +42,8 @@ from embedmesh.vision.fetch import fetch_image, is_http_url
 from embedmesh.vision.metrics import IMAGE_CACHE_HITS, IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
 
 __all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder"]
+
+log = get_logger("vision")
 
 _SEEN = 4096
 """Image files whose pixel digest is remembered (32 + 64 bytes each)."""
@@ -123,6 +126,8 @@ class VisionStage:
         self._encoders: dict[Path, Encoder] = {}
         self._loading = asyncio.Lock()
         self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads
+        self._broken: dict[Path, str] = {}
+        """Folders whose encoder failed to load (missing packages, no embedding matrix): refused at once after."""
         self._seen: OrderedDict[bytes, str] = OrderedDict()
         """BLAKE3 of an image file's bytes -> its pixel digest, for files decoded before (LRU, ``_SEEN``)."""
 
@@ -135,9 +140,17 @@ class VisionStage:
         if enc is None:
             async with self._loading:
                 enc = self._encoders.get(folder)
-                if enc is None:
-                    enc = await asyncio.to_thread(self.factory, folder)
-                    self._encoders[folder] = enc
+                if enc is None and folder not in self._broken:
+                    try:
+                        enc = await asyncio.to_thread(self.factory, folder)
+                        self._encoders[folder] = enc
+                    except (ImportError, RuntimeError, OSError, ValueError) as e:
+                        log.warning("image encoder failed to load", extra={"folder": str(folder), "error": str(e)})
+                        self._broken[folder] = str(e)
+        if enc is None:
+            raise FailedPrecondition(f"{field}: the image encoder for model {model!r} is not available on this "
+                                     f"server ({self._broken.get(folder, 'not loaded')}); send text or "
+                                     "prompt_embeds parts", field=field, reason="ENCODER_UNAVAILABLE")
         if enc.hidden_size != spec.hidden_size:
             raise InvalidArgument(f"{field}: the image encoder gives rows of {enc.hidden_size} values, model "
                                   f"{model!r} takes {spec.hidden_size}", field=field, reason="IMAGES_UNSUPPORTED")

@@ -164,3 +164,22 @@ async def test_a_repeated_file_is_not_decoded_again(monkeypatch: pytest.MonkeyPa
     h.stage.cache = TieredCache(CacheConfig(capacity_bytes=1 << 20))  # the rows evicted: decoded and encoded again
     evicted = await h.rows(url(png(5)))
     assert len(decodes) == 2 and h.calls == 2 and np.array_equal(first, evicted)
+
+
+async def test_an_encoder_that_cannot_load_is_a_clear_refusal_tried_once() -> None:
+    from embedmesh.core.errors import FailedPrecondition
+
+    tries = []
+
+    def broken(folder: Path) -> CountingEncoder:
+        tries.append(folder)
+        raise RuntimeError("efficientnet-lite is not installed")
+
+    stage = VisionStage(TieredCache(CacheConfig(capacity_bytes=1 << 20)), limits=ImageLimits(),
+                        folder_of=lambda model: Path("/models/m"), factory=broken)
+    for _ in range(2):
+        with pytest.raises(FailedPrecondition) as e:
+            await stage.rows(url(png(6)), model="m", spec=SPEC, field=FIELD, max_tokens=4)
+        assert e.value.field == FIELD and "not installed" in e.value.message
+        assert e.value.reason == "ENCODER_UNAVAILABLE"
+    assert len(tries) == 1
