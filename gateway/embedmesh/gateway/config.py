@@ -66,6 +66,12 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     tenant_share: float = 0.5
     """With API keys: the fraction of ``max_inflight`` one tenant may hold (its key's concurrency limit, when
     lower, wins); past it that tenant gets 429 at once, before its body is read, and the rest stay for others."""
+    anon_connections_per_ip: int = 64
+    """With API keys: connections one IP address may hold without having shown a valid key (a new one past it closes
+    the address's oldest idle one, or serves only keyed requests); 0 = no cap (``client_caps.py``)."""
+    anon_requests_per_ip: int = 32
+    """With API keys: requests without a valid key in flight from one IP address; past it 429 + Retry-After at once;
+    0 = no cap."""
     pieces_min_bytes: int = 8 << 20
     """Requests whose torch.save ``prompt_embeds`` payloads hold at least this many bytes of values go to the
     preprocessor as a CompleteChunks / ChatChunks stream of 1 MiB pieces (``pieces_body.py``); 0 = always one
@@ -91,6 +97,9 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
             raise ValueError(f"pieces_min_bytes must be >= 0, got {self.pieces_min_bytes}")
         if self.max_inflight < 0:
             raise ValueError(f"max_inflight must be >= 0, got {self.max_inflight}")
+        if self.anon_connections_per_ip < 0 or self.anon_requests_per_ip < 0:
+            raise ValueError("anon_connections_per_ip and anon_requests_per_ip must be >= 0, got "
+                             f"{self.anon_connections_per_ip} and {self.anon_requests_per_ip}")
         if not 0 < self.tenant_share <= 1:
             raise ValueError(f"tenant_share must be in (0, 1], got {self.tenant_share}")
         if not self.responses_ttl_seconds > 0:

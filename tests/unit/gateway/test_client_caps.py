@@ -200,3 +200,27 @@ async def test_with_no_keys_configured_nothing_is_capped(served: Any) -> None:
         assert (await _answer(r))[0] == 200
     for _, w in conns:
         w.close()
+
+
+async def test_the_gateways_settings_set_the_caps(keys: None) -> None:
+    """``--anon-connections-per-ip`` reaches the protocol of the gateway's own app; negative caps are refused."""
+    from embedmesh.gateway import GatewayConfig, create_app
+
+    with pytest.raises(ValueError, match="anon_connections_per_ip"):
+        GatewayConfig(preprocessor="127.0.0.1:1", anon_connections_per_ip=-1)
+    app = create_app(GatewayConfig(preprocessor="127.0.0.1:1", anon_connections_per_ip=1, anon_requests_per_ip=1))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="off",
+                                           http=GatewayHttpProtocol, access_log=False))
+    asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        r1, w1 = await _open(port)
+        r2, w2 = await _open(port)  # one stranger's connection at a time: the first makes room
+        _is_429(await _answer(r1), "connections")
+        w1.close()
+        w2.close()
+    finally:
+        server.should_exit = True
+        await asyncio.sleep(0.1)
