@@ -10,7 +10,8 @@ Order of work:
 - **Lines** run in prefix order (``batch_lines.run_order``), at most ``concurrency`` at once, each recorded in the
   database as it finishes (``BatchStore.finish_line``): after a restart only lines not recorded run again.
 - **Interactive first**: a line starts only while ``busy()`` is false (the gateway's interactive requests in
-  flight are under the configured bound); lines already running finish. Across gateways the preprocessor's fair
+  flight are under the configured bound), and while interactive traffic was seen in the last ``quiet_s`` only
+  when no other line runs; lines already running finish. Across gateways the preprocessor's fair
   share does the rest for keys whose ``priority`` is ``batch``.
 
 A cancelled batch stops starting lines, cancels those running (their gRPC calls with them), and ends with the
@@ -64,7 +65,7 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, call: Call, *, owner: str, unseal: Callable[[str], str],
                  concurrency: int = 4, busy: Callable[[], bool] = lambda: False, lease_s: float = 10.0,
-                 slice_lines: int = 64, poll_s: float = 1.0) -> None:
+                 slice_lines: int = 64, poll_s: float = 1.0, quiet_s: float = 1.0) -> None:
         self.store = store
         self.call = call
         self.owner = owner
@@ -74,6 +75,9 @@ class BatchRunner:
         self.lease_s = lease_s
         self.slice_lines = slice_lines
         self.poll_s = poll_s
+        self.quiet_s = quiet_s
+        self._busy_at = float("-inf")
+        """When interactive traffic was last seen in flight (the loop's clock)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._cancelled: set[str] = set()
@@ -152,8 +156,7 @@ class BatchRunner:
         try:
             for w in work:
                 await slots.acquire()
-                while self.busy() and not stopped():
-                    await asyncio.sleep(_BUSY_POLL_S)
+                await self._turn(running, stopped)
                 if stopped():
                     slots.release()
                     break
@@ -171,6 +174,18 @@ class BatchRunner:
         if stopped():
             return status[0]
         return await self.store.renew(bid, self.owner, self.lease_s)
+
+    async def _turn(self, running: set[asyncio.Task[None]], stopped: Callable[[], bool]) -> None:
+        """Wait until a line may start: no interactive request in flight, and while there were some in the last
+        ``quiet_s``, no other batch line running either (the batch trickles, one line at a time, between
+        interactive requests; at full concurrency only once they stopped)."""
+        loop = asyncio.get_running_loop()
+        while not stopped():
+            if self.busy():
+                self._busy_at = loop.time()
+            elif not running or loop.time() - self._busy_at >= self.quiet_s:
+                return
+            await asyncio.sleep(_BUSY_POLL_S)
 
     async def _line(self, bid: str, auth: str, w: Work) -> None:
         status, body = await self.call(w.url, w.body, auth)

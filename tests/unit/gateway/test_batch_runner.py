@@ -163,3 +163,21 @@ async def test_a_saturated_mesh_is_not_the_lines_fault_it_runs_again(store: Batc
     finally:
         await runner.stop()
     assert len(calls) == 2 and got["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+
+
+@pytest.mark.parametrize(("quiet_s", "peak"), [(30.0, 1), (0.0, 3)])
+async def test_after_interactive_traffic_lines_trickle_one_at_a_time(store: BatchStore, quiet_s: float,
+                                                                     peak: int) -> None:
+    engine = Engine(delay=0.05)
+    busy = [True]
+    bid = await _batch(store, [f"p{i}" for i in range(6)])
+    runner = _runner(store, engine, concurrency=3, busy=lambda: busy[0], quiet_s=quiet_s)
+    runner.start()
+    try:
+        await _until(store, bid, "in_progress")
+        await asyncio.sleep(0.05)
+        busy[0] = False  # interactive traffic just stopped
+        await _until(store, bid, "completed")
+    finally:
+        await runner.stop()
+    assert engine.peak == peak
