@@ -183,3 +183,21 @@ async def test_an_encoder_that_cannot_load_is_a_clear_refusal_tried_once() -> No
         assert e.value.field == FIELD and "not installed" in e.value.message
         assert e.value.reason == "ENCODER_UNAVAILABLE"
     assert len(tries) == 1
+
+
+async def test_a_repeated_image_gives_the_same_routing_block_hashes() -> None:
+    """Block hashes follow the rows, and the rows follow the pixel digest: a repeat (even another file with the same
+    pixels) routes like the first; another image does not."""
+    from embedmesh.core.block_hash import block_hashes
+
+    h = Harness()
+    ids = (1, 2, 3, 4)
+
+    async def hashes(source: ImageSource) -> list[int]:
+        return block_hashes([ids, await h.rows(source), ids], 2)
+
+    first = await hashes(url(png(7)))
+    assert len(first) == 5
+    assert await hashes(ImageSource(data=png(7, compress_level=0))) == first
+    other = await hashes(url(png(8)))
+    assert other[:2] == first[:2] and other[2:] != first[2:]
