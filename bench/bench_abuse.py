@@ -195,7 +195,8 @@ def _attack(phase: str, base_url: str, preprocessor: str, report: str) -> None:
     asyncio.run(run())
 
 
-def _beside(phase: str, mesh: object, seconds: float, tmp: Path) -> tuple[list[float], int, str]:
+def _beside(phase: str, mesh: object, seconds: float, tmp: Path, pids: dict[str, int]
+            ) -> tuple[list[float], int, dict[str, float], str]:
     """B's latencies and failures while the abuser runs ``phase`` (started 3 s before B, killed after), and what
     the abuser got."""
     report = tmp / "attack.json"
@@ -206,14 +207,52 @@ def _beside(phase: str, mesh: object, seconds: float, tmp: Path) -> tuple[list[f
     started = time.monotonic()
     try:
         time.sleep(3.0)  # the abuse is under way before B is measured
-        lat, failed = asyncio.run(_victim(mesh.base_url, seconds))  # type: ignore[attr-defined]
+        lat, failed, cpu = _window(mesh.base_url, seconds, pids)  # type: ignore[attr-defined]
     finally:
         attacker.kill()
         attacker.wait()
     got = json.loads(report.read_text() or "{}")
     rate = sum(got.values()) / (time.monotonic() - started)
     time.sleep(1.0)
-    return lat, failed, f"{rate:.0f}/s: {_got_text(phase, got)}"
+    return lat, failed, cpu, f"{rate:.0f}/s: {_got_text(phase, got)}"
+
+
+def _pids(mesh: object) -> dict[str, int]:
+    """The gateway's and the preprocessor's processes (by module and port on their command lines)."""
+    import os
+
+    want = {"gateway": (b"embedmesh.gateway.main", mesh.gateway_port),  # type: ignore[attr-defined]
+            "preprocessor": (b"embedmesh.services.preprocessor.main", mesh.preprocessor_port)}  # type: ignore[attr-defined]
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for name, (module, port) in want.items():
+            if module in args and str(port).encode() in args:
+                out[name] = int(pid)
+    return out
+
+
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _window(base_url: str, seconds: float, pids: dict[str, int]) -> tuple[list[float], int, dict[str, float]]:
+    """B's latencies and failures over one window, and the share of a CPU the gateway and preprocessor used."""
+    c0, t0 = _cpu(pids), time.monotonic()
+    lat, failed = asyncio.run(_victim(base_url, seconds))
+    c1, dt = _cpu(pids), time.monotonic() - t0
+    return lat, failed, {k: (c1[k] - c0[k]) / dt for k in c0}
 
 
 # --- the run -------------------------------------------------------------------------------------------------------
@@ -254,36 +293,45 @@ def main() -> None:
     print(f"abuse: 1 mocker worker, B = {CLIENTS} closed-loop clients of {BODY['max_tokens']}-token completions, "
           f"{seconds:g} s per window, B alone before each abuse and after the last, the abuser in its own process",
           flush=True)
-    rows: list[tuple[str, list[float], int, str]] = []
+    rows: list[tuple[str, list[float], int, dict[str, float], str]] = []
     alone: list[float] = []
     alone_failed = 0
+    alone_p99: list[float] = []
+    alone_cpu: dict[str, float] = collections.defaultdict(float)
     try:
+        pids = _pids(mesh)
         asyncio.run(_victim(mesh.base_url, 2.0))  # warm-up
         for phase in [*PHASES, ""]:
             print("... B alone", flush=True)
-            lat, failed = asyncio.run(_victim(mesh.base_url, seconds))
+            lat, failed, cpu = _window(mesh.base_url, seconds, pids)
             alone += lat
             alone_failed += failed
+            alone_p99.append(_pct(lat, 0.99))
+            for k, v in cpu.items():
+                alone_cpu[k] += v / (len(PHASES) + 1)
             if phase:
                 print(f"... B beside {phase}", flush=True)
-                rows.append((phase, *_beside(phase, mesh, seconds, tmp)))
+                rows.append((phase, *_beside(phase, mesh, seconds, tmp, pids)))
     finally:
         mesh.stop()
-    rows.insert(0, (f"B alone ({len(PHASES) + 1} windows)", alone, alone_failed, ""))
+    rows.insert(0, (f"B alone ({len(PHASES) + 1} windows)", alone, alone_failed, dict(alone_cpu), ""))
 
     base = _pct(alone, 0.99)
-    print("\n| phase | B requests | B failed | B p50 ms | B p99 ms | B p99 / alone | the abuser got |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| phase | B requests | B failed | B p50 ms | B p99 ms | B p99 / alone | gateway CPU | preprocessor CPU "
+          "| the abuser got |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ratios: dict[str, float] = {}
-    for name, lat, failed, got in rows:
+    for name, lat, failed, cpu, got in rows:
         ratio = _pct(lat, 0.99) / base
         if name in PHASES:
             ratios[name] = ratio
         print(f"| {name} | {len(lat)} | {failed} | {_pct(lat, 0.5) * 1e3:.1f} | {_pct(lat, 0.99) * 1e3:.1f} | "
-              f"{ratio:.2f} | {got} |")
+              f"{ratio:.2f} | {cpu.get('gateway', 0) * 100:.0f}% | {cpu.get('preprocessor', 0) * 100:.0f}% | {got} |")
     worst = max(ratios.values())
-    print(f"| ratio (worst phase over alone; goal <= 1.5) | | | | | {worst:.2f} | |")
-    print("\nEvery window runs on the same mesh and machine, one after another; B alone is measured between the "
+    print(f"| ratio (worst phase over alone; goal <= 1.5) | | | | | {worst:.2f} | | | |")
+    print(f"\nB alone, each window's p99: {', '.join(f'{x * 1e3:.0f}' for x in alone_p99)} ms (the spread without "
+          "any abuse). CPU: the share of one core each process used while B was measured.")
+    print("Every window runs on the same mesh and machine, one after another; B alone is measured between the "
           "abuses (pooled), so drift over the run is on both sides. On this 2-core machine the mesh, B's client and "
           "the abuser share the CPUs: what the abuser costs the mesh (accepting its connections, answering its 429s) "
           "is part of B's latency.")
