@@ -192,19 +192,21 @@ class BatchStore:
     async def create_batch(self, tenant: str, endpoint: str, input_file_id: str, window: str,
                            metadata: dict[str, str] | None, auth: str,
                            lines: Sequence[tuple[str, str, bytes, int]],
-                           refused: dict[int, bytes]) -> dict[str, Any]:
+                           refused: dict[int, bytes], owner: str = "", lease_s: float = 0.0) -> dict[str, Any]:
         """A new batch (``validating``) with its lines: (custom_id, url, body, ord) in file order; ``refused``
-        holds lines that fail at once (index -> their error-file line), recorded done and failed."""
+        holds lines that fail at once (index -> their error-file line), recorded done and failed. Leased to
+        ``owner`` (the creating gateway's runner) for ``lease_s``: another gateway takes it only if that one stops
+        renewing."""
         bid, now = new_id("batch_"), int(time.time())
         meta = orjson.dumps(metadata).decode() if metadata is not None else None
 
         def go(db: Database) -> None:
             with db.transaction():
                 db.execute("INSERT INTO batches (id, tenant, endpoint, input_file_id, completion_window, status, "
-                           "metadata, created_at, created_ns, expires_at, total, failed, auth) VALUES (?, ?, ?, ?, ?, "
-                           "'validating', ?, ?, ?, ?, ?, ?, ?)",
+                           "metadata, created_at, created_ns, expires_at, total, failed, auth, lease_owner, "
+                           "lease_until) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                            (bid, tenant, endpoint, input_file_id, window, meta, now, time.time_ns(),
-                            now + 24 * 3600, len(lines), len(refused), auth))
+                            now + 24 * 3600, len(lines), len(refused), auth, owner, time.time() + lease_s))
                 db.executemany("INSERT INTO batch_lines (batch_id, idx, ord, custom_id, url, body, done, ok, "
                                "result) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?)",
                                [(bid, i, o, cid, url, body, int(i in refused), refused.get(i))

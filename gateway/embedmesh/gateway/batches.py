@@ -23,6 +23,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -76,14 +77,20 @@ def _sealer(config: GatewayConfig, store: BatchStore) -> Fernet:
     if path is None:
         return Fernet(Fernet.generate_key())
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return Fernet(path.read_bytes().strip())
-    with os.fdopen(fd, "wb") as f:
-        key = Fernet.generate_key()
-        f.write(key)
-    return Fernet(key)
+    if not path.exists():
+        # Written whole under another name, then linked into place: a gateway starting at the same moment reads
+        # either no file or the whole key, and the first link wins.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(Fernet.generate_key())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return Fernet(path.read_bytes().strip())
 
 
 class Batches:
@@ -231,7 +238,8 @@ def routes(gw: Gateway, batches: Batches) -> list[Route]:
                 refused[i] = output_line(Work(i, line.custom_id, line.url, b""), 400, orjson.dumps(err.body()))[1]
         made = await batches.store.create_batch(
             tenant, endpoint, fid, "24h", metadata, batches.seal(request.headers.get("authorization", "")),
-            [(line.custom_id, line.url, line.body, order[i]) for i, line in enumerate(lines)], refused)
+            [(line.custom_id, line.url, line.body, order[i]) for i, line in enumerate(lines)], refused,
+            owner=batches.runner.owner, lease_s=batches.runner.lease_s)
         batches.runner.wake()
         return _json(made)
 

@@ -113,6 +113,11 @@ async def test_a_lease_keeps_a_second_runner_off_until_it_ends(store: BatchStore
     assert claimed == (bid, "t1", "validating", "sealed")
     assert await store.claim("r2", lease_s=30) is None
     assert await store.claim("r1", lease_s=30) is not None  # the same owner (a restarted gateway) takes it back
+    f = await store.add_file("t1", "batch", "in.jsonl", b"...")
+    mine = (await store.create_batch("t1", "/v1/completions", f["id"], "24h", None, "s", LINES, {}, owner="r3",
+                                     lease_s=30))["id"]
+    assert await store.claim("r2", lease_s=30) is None  # leased to its creator from the start
+    assert (await store.claim("r3", lease_s=30) or ("",))[0] == mine
     assert await store.renew(bid, "r2", 30) is None and await store.renew(bid, "r1", 30) == "validating"
     await store.release(bid, "r1")
     assert (await store.claim("r2", lease_s=30) or ("",))[0] == bid
