@@ -132,13 +132,21 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._keyed_only = not self._caps.connected(self._ip, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._leave()
+        super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._leave()  # the connection goes to another protocol: this one never hears of it again
+        super().handle_websocket_upgrade()
+
+    def _leave(self) -> None:
+        """Disarm the deadline and give back what this connection holds in the caps."""
         self._watch(None)
         if self._caps is not None:
             self._caps.forget(self._ip, self)
             while self._counted:
                 if self._counted.popleft():
                     self._caps.release_request(self._ip)
-        super().connection_lost(exc)
 
     @staticmethod
     def _idle(conn: GatewayHttpProtocol) -> bool:

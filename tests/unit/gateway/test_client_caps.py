@@ -224,3 +224,37 @@ async def test_the_gateways_settings_set_the_caps(keys: None) -> None:
     finally:
         server.should_exit = True
         await asyncio.sleep(0.1)
+
+
+def test_a_connection_handed_to_a_websocket_protocol_gives_back_what_it_held(keys: None) -> None:
+    """An upgraded connection's HTTP protocol never hears of it again: its count and request go back at once."""
+    from uvicorn.server import ServerState
+
+    class _T(asyncio.Transport):
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.9", 40000)}.get(name, default)
+
+        def is_closing(self) -> bool:
+            return False
+
+    async def run() -> tuple[dict[str, Any], dict[str, int], dict[str, Any], dict[str, int]]:
+        app = _HeldApp(8, 8)
+        config = uvicorn.Config(app, log_config=None, lifespan="off", http=GatewayHttpProtocol)
+        config.load()
+        proto = GatewayHttpProtocol(config=config, server_state=ServerState(), app_state={})
+        proto.connection_made(_T())
+        caps = proto._caps
+        assert caps is not None
+        proto.headers = []
+        proto._admit_request()  # a request without a key, counted
+        held = (dict(caps.anonymous), dict(caps.requests))
+        proto.scope = {"method": "GET", "headers": []}  # type: ignore[typeddict-item]
+        try:
+            proto.handle_websocket_upgrade()
+        except Exception:  # noqa: BLE001 - no websocket protocol installed here: only what is given back matters
+            pass
+        return held[0], held[1], dict(caps.anonymous), dict(caps.requests)
+
+    anon_before, requests_before, anon_after, requests_after = asyncio.run(run())
+    assert list(anon_before) == ["127.0.0.9"] and requests_before == {"127.0.0.9": 1}
+    assert anon_after == {} and requests_after == {}
