@@ -205,6 +205,10 @@ _FIELD_SCHEMAS: dict[tuple[str, str], dict[str, Any]] = {
                                             "give `id`", **_EMBEDS_SOURCE},
     ("EmbedsPart", "id"): {"type": "string", "minLength": 1,
                            "description": "an id returned by POST /v1/prompt_embeds, instead of `data`"},
+    ("ImagePart", "image_url"): {
+        "description": "the image (docs/images.md): a data: URL of base64 PNG, JPEG or WebP, or an http(s) URL of a "
+                       "host the preprocessor fetches from (--image-url-hosts); `detail` is accepted and ignored",
+        **_obj({"url": {"type": "string", "minLength": 1}}, {"detail": {"enum": ["auto", "low", "high"]}})},
     ("PromptEmbedsUpload", "data"): {"type": "string",
                                      "description": "base64 of a torch.save(tensor) or safetensors file"},
     ("CompletionRequest", "best_of"): {"description": "only 1 (use n)", "anyOf": [{"const": 1}, {"type": "null"}]},
@@ -326,7 +330,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         {200: {**_json("Completion"), **_SSE}}, body="CompletionRequest", errors=_JSON_IN + _MESH,
         example={"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}),
     ("post", "/v1/chat/completions"): Operation(
-        "Create a chat completion (text and prompt_embeds content parts)", "inference",
+        "Create a chat completion (text, prompt_embeds and image_url content parts)", "inference",
         {200: {**_json("ChatCompletion"), **_SSE}}, body="ChatRequest", errors=_JSON_IN + _MESH,
         example={"model": "SmolLM2-135M-Instruct", "max_tokens": 8,
                  "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]}),
