@@ -3,12 +3,12 @@
 
 When API keys are configured, a client that has not shown a valid key is a stranger: all it can get is a 401 or an
 open route (``/health``, ``/openapi.json``, ``/docs``), yet each of its connections holds a file descriptor and a
-parser, and each request in flight a task. From one IP address such clients may hold at most
-``connections_per_ip`` connections that have not shown a valid key, and ``requests_per_ip`` requests in flight; a
-connection at most ``PIPELINE_DEPTH`` pipelined requests. Past a cap the request is answered 429
-``rate_limit_exceeded`` with ``Retry-After`` and its connection closed; a new connection past the connection cap
-first closes the IP's oldest idle connection without a key (a slow header, an idle keep-alive), and when none is
-idle it may only serve a request that carries a valid key.
+parser, and each request in flight a task. From one IP address (an IPv6 one: its /64, ``address_key``) such
+clients may hold at most ``connections_per_ip`` connections that have not shown a valid key and
+``requests_per_ip`` requests in flight; a connection at most ``PIPELINE_DEPTH`` pipelined requests. Past a cap
+the request is answered 429 ``rate_limit_exceeded`` with ``Retry-After`` and its connection closed; a new
+connection past the connection cap first closes the IP's oldest idle connection without a key (a slow header, an
+idle keep-alive), and when none is idle it may only serve a request that carries a valid key.
 
 A connection leaves the count for good when one of its requests carries a valid key: keyed clients are governed by
 their key's limits (the gateway's per-tenant admission, ``app.py``, and the services' limits), never by these caps.
@@ -18,18 +18,33 @@ Behind a proxy every client has the proxy's address: set the caps there (or to 0
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from typing import Any
 
 from embedmesh.core import auth
 
-__all__ = ["ClientCaps", "PIPELINE_DEPTH", "CONNECTIONS_PER_IP", "REQUESTS_PER_IP", "key_is_valid"]
+__all__ = ["ClientCaps", "PIPELINE_DEPTH", "CONNECTIONS_PER_IP", "REQUESTS_PER_IP", "key_is_valid", "address_key"]
 
 CONNECTIONS_PER_IP = 64
 REQUESTS_PER_IP = 32
 """Defaults of ``GatewayConfig.anon_connections_per_ip`` / ``anon_requests_per_ip``."""
 PIPELINE_DEPTH = 8
 """Requests without a valid key queued on one connection behind the one being served (HTTP/1.1 pipelining)."""
+
+
+def address_key(host: str) -> str:
+    """What the caps count by: an IPv4 address (also written IPv4-mapped), or an IPv6 address's /64 — one host
+    commonly holds a whole /64, so counting each address would give it 2^64 times the caps."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host  # not an address (a Unix socket's name): as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def key_is_valid(headers: list[tuple[bytes, bytes]]) -> bool:

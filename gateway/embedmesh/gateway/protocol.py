@@ -127,7 +127,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._counted = deque()
         self._watch(HEADER_SECONDS, self._headers_late)
         if self.client:
-            self._ip = self.client[0]
+            self._ip = client_caps.address_key(self.client[0])
             self._caps = _caps_for(self)
             self._keyed_only = not self._caps.connected(self._ip, self)
 

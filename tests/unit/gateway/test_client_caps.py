@@ -258,3 +258,11 @@ def test_a_connection_handed_to_a_websocket_protocol_gives_back_what_it_held(key
     anon_before, requests_before, anon_after, requests_after = asyncio.run(run())
     assert list(anon_before) == ["127.0.0.9"] and requests_before == {"127.0.0.9": 1}
     assert anon_after == {} and requests_after == {}
+
+
+def test_an_ipv6_client_is_counted_by_its_64_and_a_mapped_ipv4_as_ipv4() -> None:
+    key = client_caps.address_key
+    assert key("2001:db8:1:2::1") == key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert key("2001:db8:1:3::1") != key("2001:db8:1:2::1")
+    assert key("::ffff:192.0.2.7") == key("192.0.2.7") == "192.0.2.7"
+    assert key("192.0.2.7") != key("192.0.2.8")
