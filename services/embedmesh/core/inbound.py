@@ -8,6 +8,8 @@ public port hold a message as big as the server's message limit (512 MiB), sever
 client-streaming handler instead, the call reaches its wrapper with only its metadata read: an unauthenticated
 caller is refused at once, and gRPC never opens the stream's flow-control window past its initial size for a
 message nobody asked for. The client cannot tell the difference (a unary call's bytes are a one-message stream).
+The price: grpc.aio's streaming path, about 50-100 us more CPU per small unary call (client and server together,
+measured on this 2-core machine under load), on the public port only.
 """
 
 from __future__ import annotations
