@@ -256,3 +256,26 @@ async def test_stream_puts_echo_before_each_choices_first_delta(domain: Inferenc
     _script(domain, [Delta(0, "x", (1,), 0), Delta(0, "y", (2,), common_pb2.FINISH_REASON_STOP), Usage(1, 2)])
     items = [item async for item in domain._stream(_job(echo=("E",)))]
     assert [i.text for i in items if isinstance(i, Choice)] == ["Ex", "y"]
+
+
+async def test_an_image_part_becomes_rows_in_its_place(domain: InferenceDomain) -> None:
+    from pathlib import Path
+
+    from embedmesh.vision.decode import ImageLimits
+    from embedmesh.vision.stage import ImageSource, VisionStage
+    from tests.unit.vision.test_stage import CountingEncoder, png, url
+
+    image = ChatMessageRequest("user", [ChatPartRequest(text="look"), ChatPartRequest(image=url(png(1)))])
+    err = await _refused(domain.chat_job(ChatRequest("base", _sampling(max_tokens=4), [image])))
+    assert (err.field, err.reason) == ("messages[0].content[1].image_url", "IMAGES_DISABLED")
+    domain.vision = VisionStage(domain.cache, limits=ImageLimits(), folder_of=lambda model: Path("/m"),
+                                factory=CountingEncoder)
+    try:
+        job = await domain.chat_job(ChatRequest("base", _sampling(max_tokens=4), [image]))
+        rows = [p for p in job.prompts[0].pieces if isinstance(p, np.ndarray)]
+        assert len(rows) == 1 and rows[0].shape == (3, HIDDEN)
+        raw = ChatMessageRequest("user", [ChatPartRequest(image=ImageSource(data=b"GIF89a"))])
+        err = await _refused(domain.chat_job(ChatRequest("base", _sampling(max_tokens=4), [raw])))
+        assert (err.field, err.reason) == ("messages[0].content[0].image.data", "FORMAT_NOT_ALLOWED")
+    finally:
+        domain.vision = None

@@ -62,6 +62,18 @@ def test_chat_params_become_a_chat_request() -> None:
     assert (request.tools.tools, request.tools.choice, request.tools.mode) == ((("f", "", ""),), "mode", "required")
 
 
+def test_image_parts_become_image_sources() -> None:
+    params = inference_pb2.ChatParams(model="m", messages=[inference_pb2.ChatMessage(role="user", parts=[
+        inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(url="data:image/png;base64,AAAA")),
+        inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(data=b"\x89PNG")),
+        inference_pb2.ChatContentPart(image=inference_pb2.ImageInput())])])
+    url, raw, empty = _chat_request(params).messages[0].parts
+    assert url.image is not None and url.image.url == "data:image/png;base64,AAAA" and url.image.data is None
+    assert raw.image is not None and raw.image.data == b"\x89PNG" and raw.image.url == ""
+    assert empty.image is not None and empty.image.url == "" and empty.image.data is None  # refused as BAD_URL
+    assert all(p.embeds is None and p.text == "" for p in (url, raw, empty))
+
+
 def test_results_are_written_back_field_for_field() -> None:
     lp = common_pb2.TokenLogprob(token_id=1, logprob=-1.0)
     call = inference_pb2.ToolCall(id="call_1", name="f", arguments="{}")
