@@ -88,7 +88,7 @@ def test_async_client(mesh: Any, embeds_of: Any) -> None:
 
 
 def test_big_tensors_go_in_pieces_past_any_message_size_limit(mesh: Any, pc: Client) -> None:
-    # 1200 x 576 float32 = 2.8 MB: over the 1 MiB threshold, so the client sends CompleteChunks in 1 MiB pieces,
+    # 1200 x 576 float32 = 2.8 MB: over the 1 MiB threshold, so the client sends it as Generate rows in 1 MiB pieces,
     # and a client whose messages may not exceed 1.5 MiB still gets the answer one big message gives.
     big = np.random.default_rng(1).standard_normal((1200, 576), dtype=np.float32) * 0.05
     expected = pc.complete(MODEL, embeds=big, max_tokens=5, temperature=0)

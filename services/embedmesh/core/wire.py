@@ -381,6 +381,7 @@ _PIECES_STREAMS: dict[str, Any] = {
     "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": inference_pb2.CompleteChunksRequest,
     "/embedmesh.inference.v1.InferenceService/ChatChunks": inference_pb2.ChatChunksRequest,
     "/embedmesh.inference.v1.InferenceService/StreamChatChunks": inference_pb2.ChatChunksRequest,
+    "/embedmesh.inference.v1.InferenceService/Generate": inference_pb2.GenerateRequest,
 }
 """The methods that take a pieces stream (``core.pieces``), with their request message."""
 

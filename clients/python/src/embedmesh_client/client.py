@@ -49,70 +49,51 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def _method_missing(e: grpc.RpcError) -> bool:
-    """UNIMPLEMENTED from gRPC itself (a mesh from before the method), not an answer of the mesh's own (which always
-    carries status details)."""
-    trailing = e.trailing_metadata() or () if hasattr(e, "trailing_metadata") else ()
-    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not any(
-        (item[0] if isinstance(item, tuple) else item.key) == "grpc-status-details-bin" for item in trailing)
+_GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
 
 
-_SERVICE = "/embedmesh.inference.v1.InferenceService/"
-
-
-def _chunk_calls(channel: Any) -> dict[str, Any]:
-    """The pieces methods as raw calls: their messages are written as bytes by ``requests.chunk_messages`` (one
-    copy of each piece, none by protobuf)."""
-    return {
-        "CompleteChunks": channel.stream_unary(_SERVICE + "CompleteChunks", request_serializer=None,
-                                               response_deserializer=inference_pb2.CompleteResponse.FromString),
-        "StreamCompleteChunks": channel.stream_stream(
-            _SERVICE + "StreamCompleteChunks", request_serializer=None,
-            response_deserializer=inference_pb2.StreamCompleteResponse.FromString),
-        "ChatChunks": channel.stream_unary(_SERVICE + "ChatChunks", request_serializer=None,
-                                           response_deserializer=inference_pb2.ChatResponse.FromString),
-        "StreamChatChunks": channel.stream_stream(_SERVICE + "StreamChatChunks", request_serializer=None,
-                                                  response_deserializer=inference_pb2.StreamChatResponse.FromString),
-    }
-
-
-_PIECES_REQUEST = {inference_pb2.CompletionParams: inference_pb2.CompleteRequest,
-                   inference_pb2.ChatParams: inference_pb2.ChatRequest}
-"""The request a pieces stream's first message carries, by params type (CompleteChunks, ChatChunks)."""
+def _generate_call(channel: Any) -> Any:
+    """``InferenceService.Generate`` as a raw call: its messages are written as bytes (``requests.chunk_messages``:
+    one copy of each piece of rows, none by protobuf)."""
+    return channel.stream_stream(_GENERATE, request_serializer=None,
+                                 response_deserializer=inference_pb2.GenerateResponse.FromString)
 
 
 class _Prepared:
-    """A completion or chat whose raw tensors' bytes were kept aside (``rows``): sent in pieces when they are big
-    enough and the mesh has the method, else as one message of ``request`` (the bytes put back once)."""
+    """A completion or chat for ``Generate``, its raw tensors' bytes kept aside (``rows``): sent as rows after the
+    header when they are big enough (``CHUNKED_MIN``), else put back into the header, one message."""
 
-    def __init__(self, params: Any, rows: list[memoryview], request: Any, chunks: bool) -> None:
+    def __init__(self, task: str, params: Any, rows: list[memoryview], stream: bool) -> None:
+        self.task = task
         self.params = params
         self.rows = rows
-        self._request = request
-        self.chunked = chunks and sum(len(r) for r in rows) >= CHUNKED_MIN
-        self._filled = False
+        self.stream = stream
 
     @classmethod
-    def completion(cls, model: str, kw: dict[str, Any], request: Any, chunks: bool) -> _Prepared:
+    def completion(cls, model: str, kw: dict[str, Any], stream: bool) -> _Prepared:
         rows: list[memoryview] = []
-        return cls(completion_params(model, rows=rows, **kw), rows, request, chunks)
+        return cls("completion", completion_params(model, rows=rows, **kw), rows, stream)
 
     @classmethod
-    def chat(cls, model: str, messages: Sequence[dict[str, Any]], kw: dict[str, Any], request: Any,
-             chunks: bool) -> _Prepared:
+    def chat(cls, model: str, messages: Sequence[dict[str, Any]], kw: dict[str, Any], stream: bool) -> _Prepared:
         rows: list[memoryview] = []
-        return cls(chat_params(model, messages, rows=rows, **kw), rows, request, chunks)
+        return cls("chat", chat_params(model, messages, rows=rows, **kw), rows, stream)
 
-    def pieces(self) -> Iterator[bytes]:
-        first = _PIECES_REQUEST[type(self.params)](params=self.params)
-        return chunk_messages(first.SerializeToString(), self.rows)
-
-    def one(self) -> Any:
-        """The request as one message (``self._request`` of the params with their tensors' data)."""
-        if not self._filled:
+    def messages(self) -> Iterator[bytes]:
+        """The Generate stream's messages: the header, then the rows in pieces (or the header alone, rows inside)."""
+        if sum(len(r) for r in self.rows) < CHUNKED_MIN:
             fill_rows(self.params, self.rows)
-            self._filled = True
-        return self._request(params=self.params)
+            self.rows = []
+        header = inference_pb2.GenerateHeader(stream=self.stream, **{self.task: self.params})
+        return chunk_messages(header.SerializeToString(), self.rows)
+
+
+def _whole(events: Sequence[inference_pb2.GenerateResponse], kind: str) -> Any:
+    """The one ``completion`` / ``chat`` event of a non-streamed Generate."""
+    for event in events:
+        if event.WhichOneof("event") == kind:
+            return getattr(event, kind)
+    raise RuntimeError(f"the mesh's Generate answer held no {kind} event")
 
 
 def _credentials(tls: bool | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -159,14 +140,12 @@ class Client:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._pieces = _chunk_calls(self._channel)
+        self._generate = _generate_call(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
-        self._chunks = True
-        """False once the mesh answered that it has no CompleteChunks (an older mesh): one message from then on."""
 
     def __enter__(self) -> Client:
         return self
@@ -192,63 +171,24 @@ class Client:
         raise AssertionError("unreachable")
 
     def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
-        method gets one message."""
-        p = _Prepared.completion(model, kw, inference_pb2.CompleteRequest, self._chunks)
-        return self._unary("CompleteChunks", p,
-                           lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
+        """One ``Generate`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header."""
+        return _whole(self._events(_Prepared.completion(model, kw, stream=False)), "completion")
 
     def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
-        p = _Prepared.completion(model, kw, inference_pb2.StreamCompleteRequest, self._chunks)
-        yield from self._streamed("StreamCompleteChunks", p,
-                                  lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout,
-                                                                         metadata=self._md))
+        for event in self._events(_Prepared.completion(model, kw, stream=True)):
+            yield event.completion_chunk
 
     def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        p = _Prepared.chat(model, messages, kw, inference_pb2.ChatRequest, self._chunks)
-        return self._unary("ChatChunks", p,
-                           lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
+        """One ``Generate`` call, big raw tensors in the parts as rows after the header, as for ``complete``."""
+        return _whole(self._events(_Prepared.chat(model, messages, kw, stream=False)), "chat")
 
     def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                     **kw: Any) -> Iterator[inference_pb2.StreamChatResponse]:
-        p = _Prepared.chat(model, messages, kw, inference_pb2.StreamChatRequest, self._chunks)
-        yield from self._streamed("StreamChatChunks", p,
-                                  lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md))
+        for event in self._events(_Prepared.chat(model, messages, kw, stream=True)):
+            yield event.chat_chunk
 
-    def _unary(self, method: str, p: _Prepared, one: Callable[[], T]) -> T:
-        """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
-        if p.chunked:
-            try:
-                return self._pieces[method](p.pieces(), timeout=self.timeout,  # type: ignore[no-any-return]
-                                            metadata=self._md)
-            except grpc.RpcError as e:
-                if not _method_missing(e):
-                    raise from_rpc_error(e) from None
-                self._chunks = False
-        return self._call(one, False)
-
-    def _streamed(self, method: str, p: _Prepared, one: Callable[[], Any]) -> Iterator[Any]:
-        if p.chunked:
-            call = self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
-            try:
-                first = next(call, None)
-            except grpc.RpcError as e:
-                call.cancel()
-                if not _method_missing(e):
-                    raise from_rpc_error(e) from None
-                self._chunks = False
-            else:
-                try:
-                    if first is not None:
-                        yield first
-                    yield from call
-                except grpc.RpcError as e:
-                    raise from_rpc_error(e) from None
-                finally:
-                    call.cancel()
-                return
-        call = one()
+    def _events(self, p: _Prepared) -> Iterator[inference_pb2.GenerateResponse]:
+        call = self._generate(p.messages(), timeout=self.timeout, metadata=self._md)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -395,14 +335,12 @@ class AsyncClient:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._pieces = _chunk_calls(self._channel)
+        self._generate = _generate_call(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
         self.timeout = timeout
         self.retries = retries
-        self._chunks = True
-        """False once the mesh answered that it has no CompleteChunks (an older mesh): one message from then on."""
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -428,61 +366,27 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        """Big raw tensors (``CHUNKED_MIN`` bytes or more) go in pieces (CompleteChunks); a mesh without that
-        method gets one message."""
-        p = _Prepared.completion(model, kw, inference_pb2.CompleteRequest, self._chunks)
-        return await self._unary("CompleteChunks", p,
-                                 lambda: self._inference.Complete(p.one(), timeout=self.timeout, metadata=self._md))
+        """One ``Generate`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header."""
+        return _whole([e async for e in self._events(_Prepared.completion(model, kw, stream=False))], "completion")
 
     async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        p = _Prepared.completion(model, kw, inference_pb2.StreamCompleteRequest, self._chunks)
-        async for item in self._streamed(
-                "StreamCompleteChunks", p,
-                lambda: self._inference.StreamComplete(p.one(), timeout=self.timeout, metadata=self._md)):
-            yield item
+        async for event in self._events(_Prepared.completion(model, kw, stream=True)):
+            yield event.completion_chunk
 
     async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        """Big raw tensors in the parts go in pieces (ChatChunks), as for ``complete``."""
-        p = _Prepared.chat(model, messages, kw, inference_pb2.ChatRequest, self._chunks)
-        return await self._unary("ChatChunks", p,
-                                 lambda: self._inference.Chat(p.one(), timeout=self.timeout, metadata=self._md))
+        """One ``Generate`` call, big raw tensors in the parts as rows after the header, as for ``complete``."""
+        return _whole([e async for e in self._events(_Prepared.chat(model, messages, kw, stream=False))], "chat")
 
     async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
                           **kw: Any) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        p = _Prepared.chat(model, messages, kw, inference_pb2.StreamChatRequest, self._chunks)
-        async for item in self._streamed(
-                "StreamChatChunks", p,
-                lambda: self._inference.StreamChat(p.one(), timeout=self.timeout, metadata=self._md)):
-            yield item
+        async for event in self._events(_Prepared.chat(model, messages, kw, stream=True)):
+            yield event.chat_chunk
 
-    async def _unary(self, method: str, p: _Prepared, one: Callable[[], Any]) -> Any:
-        """``p`` in pieces through ``method`` when it is big enough (and the mesh has the method), else ``one()``."""
-        if p.chunked:
-            try:
-                return await self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
-            except grpc.aio.AioRpcError as e:
-                if not _method_missing(e):
-                    raise from_rpc_error(e) from None
-                self._chunks = False
-        return await self._call(one, False)
-
-    async def _streamed(self, method: str, p: _Prepared, one: Callable[[], Any]) -> AsyncIterator[Any]:
-        if p.chunked:
-            chunked = self._pieces[method](p.pieces(), timeout=self.timeout, metadata=self._md)
-            try:
-                async for item in chunked:
-                    yield item
-                return
-            except grpc.aio.AioRpcError as e:
-                if not _method_missing(e):
-                    raise from_rpc_error(e) from None
-                self._chunks = False
-            finally:
-                chunked.cancel()
-        call = one()
+    async def _events(self, p: _Prepared) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        call = self._generate(p.messages(), timeout=self.timeout, metadata=self._md)
         try:
-            async for item in call:
-                yield item
+            async for event in call:
+                yield event
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
         finally:

@@ -16,8 +16,8 @@ __all__ = ["completion_params", "chat_params", "embed_request", "put_messages", 
 
 CHUNK_BYTES = 1 << 20
 CHUNKED_MIN = 1 << 20
-"""Completions whose raw tensors hold at least this many bytes go as CompleteChunks / StreamCompleteChunks: the
-request, then the tensors' bytes in CHUNK_BYTES pieces (no message size limit to raise anywhere on the way)."""
+"""Generations whose raw tensors hold at least this many bytes send them as rows after the Generate header, in
+CHUNK_BYTES pieces (no message size limit to raise anywhere on the way); smaller ones go as one message."""
 _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty",
              "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
@@ -60,7 +60,7 @@ def completion_params(model: str, prompt: str | Sequence[str] | None = None, emb
                       token_ids: Sequence[Sequence[int]] | None = None, prefix: Any = None, n: int | None = None,
                       rows: list[memoryview] | None = None, **sampling: Any) -> inference_pb2.CompletionParams:
     """``embeds``: an array/tensor, an upload id (str), or a list of those (one choice each). With ``rows``, the
-    tensors carry no ``data``: their bytes are appended to ``rows`` in the order CompleteChunks sends them."""
+    tensors carry no ``data``: their bytes are appended to ``rows`` in the order Generate sends them."""
     p = inference_pb2.CompletionParams(model=model, sampling=_sampling(sampling))
     if prompt is not None:
         p.prompts.extend([prompt] if isinstance(prompt, str) else prompt)
@@ -86,9 +86,9 @@ def _varint(n: int) -> bytes:
 
 
 def chunk_messages(request: bytes, rows: Sequence[memoryview]) -> Iterator[bytes]:
-    """A CompleteChunks / ChatChunks stream as message bytes: ``request`` (a serialized CompleteRequest or
-    ChatRequest whose tensors carry no data), then ``rows`` in ``CHUNK_BYTES`` pieces, each copied once, as it is
-    sent (field 1 ``request``, field 2 ``rows`` of both messages)."""
+    """A Generate stream as message bytes: ``request`` (a serialized GenerateHeader whose tensors carry no data),
+    then ``rows`` in ``CHUNK_BYTES`` pieces, each copied once, as it is sent (field 1 ``request``, field 2 ``rows``
+    of GenerateRequest)."""
     yield b"\x0a" + _varint(len(request)) + request
     for view in rows:
         for i in range(0, len(view), CHUNK_BYTES):

@@ -16,7 +16,7 @@ import grpc
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import pieces, tensors
-from embedmesh.core.errors import Unavailable
+from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.metrics import INFLIGHT, REJECTED
@@ -134,6 +134,47 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 async for item in stream.items:
                     yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
 
+    async def Generate(  # noqa: N802
+        self, request_iterator: AsyncIterator[inference_pb2.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The one generation call: a header (completion or chat, stream or not), then the rows of its tensors
+        that came without data (a pieces stream, ``core.pieces``); events back (see inference.proto)."""
+        with self.admission.slot("Generate"):  # taken first: a mesh at capacity does not read the rows
+            arrival = await self._arrival(request_iterator, _generate_tensors, self._generate_scan)
+            header: inference_pb2.GenerateHeader = arrival.request
+            task = header.WhichOneof("task")
+            if task is None:
+                raise InvalidArgument("request.task: the header must hold a completion or a chat",
+                                      field="request.task", reason="REQUIRED")
+            async with self._serving(arrival):
+                if not header.stream:
+                    if task == "completion":
+                        result = await self.domain.complete(_completion_request(header.completion))
+                        yield inference_pb2.GenerateResponse(
+                            completion=_response(inference_pb2.CompleteResponse, result))
+                    else:
+                        result = await self.domain.chat(_chat_request(header.chat))
+                        yield inference_pb2.GenerateResponse(chat=_response(inference_pb2.ChatResponse, result))
+                    return
+                if task == "completion":
+                    stream = await self.domain.stream_complete(_completion_request(header.completion))
+                    chunk, cls = "completion_chunk", inference_pb2.StreamCompleteResponse
+                else:
+                    stream = await self.domain.stream_chat(_chat_request(header.chat))
+                    chunk, cls = "chat_chunk", inference_pb2.StreamChatResponse
+                ended = False
+                async for item in stream.items:
+                    if not ended:  # nothing goes out before the client's stream ended within the rules
+                        await arrival.finished()
+                        ended = True
+                    yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
+
+    def _generate_scan(self, header: inference_pb2.GenerateHeader) -> pieces.Scan | None:
+        """A completion's one big prompt tensor is checked as it arrives and sent on (``_streamed_scan``)."""
+        if header.WhichOneof("task") != "completion":
+            return None
+        return self._completion_scan(header.completion)
+
     async def _arrival(self, messages: AsyncIterator[Any], tensors_of: pieces.Tensors,
                        scan_for: Callable[[Any], pieces.Scan | None] | None = None) -> pieces.Arrival:
         """A pieces stream once its request arrived, at most the embeddings byte cap: with every byte too, unless
@@ -162,11 +203,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             arrival.cancel()
 
     def _streamed_scan(self, request: inference_pb2.CompleteRequest) -> pieces.Scan | None:
+        return self._completion_scan(request.params)
+
+    def _completion_scan(self, params: inference_pb2.CompletionParams) -> pieces.Scan | None:
         """For one prompt of one raw tensor of ``STREAM_MIN`` bytes or more, 2-D and already in the model's dtype
         and hidden size, without a prefix: the NaN/Inf check its bytes pass as they arrive, so they go on to the
         worker while the rest arrive (routed on their first blocks, ``pipeline.ROUTE_BYTES``). Anything else
         waits for every byte, then takes Complete's path (None)."""
-        params = request.params
         if len(params.prompt_embeds) != 1 or params.HasField("prefix"):
             return None
         pe = params.prompt_embeds[0]
@@ -272,9 +315,12 @@ STREAM_MIN = 8 << 20
 
 
 def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
-    """The raw tensors of a CompleteChunks request in the order their bytes follow it (prompt_embeds in order,
-    then the prefix), by the field names ``_completion_request`` reads them with."""
-    params = request.params
+    return _completion_tensors(request.params)
+
+
+def _completion_tensors(params: inference_pb2.CompletionParams) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """The raw tensors of a completion in the order their bytes follow its request in a pieces stream
+    (prompt_embeds in order, then the prefix), by the field names ``_completion_request`` reads them with."""
     n = len(params.prompt_embeds)
     for i, pe in enumerate(params.prompt_embeds):
         if pe.WhichOneof("source") == "tensor":
@@ -284,12 +330,25 @@ def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[s
 
 
 def _chat_chunked_tensors(request: inference_pb2.ChatRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
-    """The raw tensors of a ChatChunks request's prompt_embeds parts, in message and part order, by the field names
-    the chat path reads them with."""
-    for i, m in enumerate(request.params.messages):
+    return _chat_tensors(request.params)
+
+
+def _chat_tensors(params: inference_pb2.ChatParams) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """The raw tensors of a chat's prompt_embeds parts, in message and part order, by the field names the chat
+    path reads them with."""
+    for i, m in enumerate(params.messages):
         for j, part in enumerate(m.parts):
             if part.WhichOneof("kind") == "prompt_embeds" and part.prompt_embeds.WhichOneof("source") == "tensor":
                 yield f"messages[{i}].content[{j}]", part.prompt_embeds.tensor
+
+
+def _generate_tensors(header: inference_pb2.GenerateHeader) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """A Generate header's raw tensors in the order their bytes follow it, under the field names of its task."""
+    task = header.WhichOneof("task")
+    if task == "completion":
+        yield from _completion_tensors(header.completion)
+    elif task == "chat":
+        yield from _chat_tensors(header.chat)
 
 
 def _completion_request(params: inference_pb2.CompletionParams) -> CompletionRequest:
