@@ -21,4 +21,4 @@ def build(context: EngineContext) -> Engine:
     o = context.options_as(HFOptions)
     path = resolve_model_path(context.model)
     return HFEngine(HFEngineConfig(path, context.name_to_serve(path.name, DEFAULT_MODEL), o.max_batch_size,
-                                   o.threads, o.dtype))
+                                   o.threads, o.dtype, o.hf_device))

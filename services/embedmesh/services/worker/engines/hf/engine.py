@@ -327,11 +327,11 @@ class HFEngine(Engine):
         out = self._runner.prefill(embeds, ready, self._lora.net(), self._lora.forward_args(ready))
         for i, s in enumerate(ready):
             if s.request.sampling.prompt_logprobs is not None:
-                self._sampler.score_prompt(s, out.logits[i, out.length - s.position:], s.position)
+                self._sampler.score_prompt(s, out.logits[i, out.length - s.position:].float().cpu(), s.position)
         self._sample_rows(out.logits[:, -1, :].float(), ready)
         # Rows that failed stay until ``_drop_finished``: cache rows and sequences stay aligned.
         return out.cache, out.mask, ready
 
     def _sample_rows(self, logits: Any, seqs: list[Seq]) -> None:
-        """One token per live row (``Sampler.sample_rows``); the one place the engine thread samples."""
-        self._sampler.sample_rows(logits, seqs)
+        """One token per live row (``Sampler.sample_rows``, on the CPU); the one place the engine thread samples."""
+        self._sampler.sample_rows(logits.cpu(), seqs)

@@ -1,4 +1,4 @@
-"""The hf engine's forward passes: the model loaded, prompts turned into embeddings, a prefill of new sequences
+"""The hf engine's forward passes (on the CPU, or a CUDA device with ``device``): the model loaded, prompts turned into embeddings, a prefill of new sequences
 together, one decode step of the running batch, and the batch's KV cache (new rows merged in, ended rows dropped).
 It returns logits; choosing tokens from them is ``sampler.py``'s.
 
@@ -39,6 +39,9 @@ class HFEngineConfig:
     """torch intra-op threads."""
     dtype: str = "float32"
     """Compute dtype: float32 (exact on CPU), bfloat16 or float16."""
+    device: str = "cpu"
+    """Where the model runs: "cpu", or a torch CUDA device ("cuda", "cuda:1"). Sampling stays on the CPU (a
+    step's last logits are copied back, one row per sequence)."""
 
 
 @dataclass
@@ -65,6 +68,7 @@ class ModelRunner:
         self.embed: Any = None
         self.torch: Any = None
         self.dtype: Any = None
+        self.device: Any = None
         self.eos_ids: set[int] = set()
         self.info: ModelInfo | None = None
         """Set once the model is loaded."""
@@ -79,6 +83,8 @@ class ModelRunner:
         dtype = getattr(torch, self.config.dtype)
         cfg = AutoConfig.from_pretrained(self.config.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=dtype).eval()
+        self.device = torch.device(self.config.device)
+        self.model.to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
         self.embed = self.model.get_input_embeddings()
         self.torch = torch
@@ -115,7 +121,7 @@ class ModelRunner:
         parts = []
         for seg in s.request.segments:
             if isinstance(seg, TokenSegment):
-                ids = torch.tensor(seg.ids, dtype=torch.long)
+                ids = torch.tensor(seg.ids, dtype=torch.long, device=self.device)
                 parts.append(self.embed(ids))
             else:
                 rows = seg.rows
@@ -123,9 +129,9 @@ class ModelRunner:
                     t = torch.from_numpy(rows.astype(np.int16, copy=True)).view(torch.bfloat16)
                 else:
                     t = torch.from_numpy(np.array(rows, copy=True))
-                parts.append(t.to(self.dtype))
+                parts.append(t.to(self.device, self.dtype))
         if s.request.resumed:  # a migrated stream's tokens, after the prompt
-            parts.append(self.embed(torch.tensor(s.request.resumed, dtype=torch.long)))
+            parts.append(self.embed(torch.tensor(s.request.resumed, dtype=torch.long, device=self.device)))
         return torch.cat(parts, dim=0)
 
     def prefill(self, embeds: list[Any], ready: list[Seq], net: Any, forward_args: dict[str, Any]) -> Prefill:
@@ -135,8 +141,8 @@ class ModelRunner:
 
         length = max(e.shape[0] for e in embeds)
         hidden = embeds[0].shape[1]
-        batch = torch.zeros(len(ready), length, hidden, dtype=self.dtype)
-        new_mask = torch.zeros(len(ready), length, dtype=torch.long)
+        batch = torch.zeros(len(ready), length, hidden, dtype=self.dtype, device=self.device)
+        new_mask = torch.zeros(len(ready), length, dtype=torch.long, device=self.device)
         for i, e in enumerate(embeds):
             batch[i, length - e.shape[0]:] = e
             new_mask[i, length - e.shape[0]:] = 1
@@ -155,9 +161,9 @@ class ModelRunner:
                ) -> tuple[Any, Any, Any]:
         """One decode step of the batch: each row's pending token in -> (cache, mask, last logits)."""
         torch = self.torch
-        ids = torch.tensor([[s.pending] for s in rows], dtype=torch.long)
-        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], dim=1)
-        positions = torch.tensor([[s.position] for s in rows], dtype=torch.long)
+        ids = torch.tensor([[s.pending] for s in rows], dtype=torch.long, device=self.device)
+        mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long, device=self.device)], dim=1)
+        positions = torch.tensor([[s.position] for s in rows], dtype=torch.long, device=self.device)
         out = net(
             inputs_embeds=self.embed(ids), attention_mask=mask, position_ids=positions, past_key_values=cache,
             use_cache=True, **forward_args,
@@ -193,7 +199,7 @@ class ModelRunner:
             return cache, mask, rows
         if not keep:
             return None, None, []
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         mask = mask[idx]
         # Columns that are padding in every remaining row are dead weight: trim them.
         first = int((mask.sum(0) > 0).nonzero()[0])

@@ -1,0 +1,166 @@
+"""The hf engine on a CUDA GPU, measured (run by ``scripts/gpu_check.sh``, which checks the machine first):
+
+1. in process: ``HFEngine`` on the device, greedy streams of ``--max-tokens`` tokens, 1 request then ``--clients``
+   at once: generated tokens per second;
+2. through the mesh (the launcher: gateway, preprocessor, router, one hf worker on the device): streamed completions
+   from 1 client, then ``--clients`` at once: generated tokens per second as the clients see them;
+3. ``prompt_embeds`` equal to text: a prompt sent as text and as its embedding rows (the model's embedding table, in
+   the served dtype) gives the same greedy text through the mesh.
+
+Every figure is printed with the device's name. ``--device cpu`` with tiny settings is the dry run (no GPU).
+Nothing is fetched: the model is the project's default (a PyPI package, converted once into the local cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))} ({device})"
+    return "cpu (dry run)"
+
+
+async def in_process(a: argparse.Namespace, label: str) -> tuple[Any, dict[int, float]]:
+    from embedmesh.models import ensure_default_model
+    from embedmesh.services.worker.engines.base import GenerationRequest, SamplingParams, TokenSegment
+    from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
+
+    engine = HFEngine(HFEngineConfig(ensure_default_model(), "gpu-check", max_batch_size=max(a.clients),
+                                     threads=a.threads, dtype=a.dtype, device=a.device))
+    await engine.start()
+    ids = tuple(engine.tokenizer(PROMPT).input_ids)
+    figures: dict[int, float] = {}
+    n = 0
+
+    async def one() -> int:
+        nonlocal n
+        n += 1
+        req = GenerationRequest(f"g{n}", [TokenSegment(ids)],
+                                SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True))
+        return sum([len(d.token_ids) async for d in engine.generate(req)])
+
+    await one()  # warm-up (kernels, allocator)
+    for clients in a.clients:
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one() for _ in range(clients))))
+        figures[clients] = tokens / (time.perf_counter() - t0)
+        print(f"[{label}] in-process  {clients:3d} client(s): {figures[clients]:9.1f} tokens/s "
+              f"({tokens} tokens, {a.dtype})", flush=True)
+    return engine, figures
+
+
+def _stream(base_url: str, model: str, body: dict[str, Any]) -> tuple[str, int]:
+    import httpx
+
+    text, tokens = [], 0
+    payload = {"model": model, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **body}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"the mesh answered {r.status_code}: {r.read().decode()[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended with an error: {event['error']}")
+            text.extend(c.get("text") or "" for c in event.get("choices", []))
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    return "".join(text), tokens
+
+
+def through_mesh(a: argparse.Namespace, label: str, engine: Any) -> dict[int, float]:
+    import torch
+
+    from embedmesh.models.convert import DEFAULT_MODEL
+    from tests.support.mesh import start_mesh
+
+    env = {"EMBEDMESH_WORKER_HF_DEVICE": a.device, "EMBEDMESH_WORKER_DTYPE": a.dtype,
+           "EMBEDMESH_WORKER_MAX_BATCH_SIZE": str(max(a.clients)), "EMBEDMESH_WORKER_THREADS": str(a.threads)}
+    mesh = start_mesh(workers=1, engine="hf", env=env, timeout=240,
+                      extra_args=["--embed-worker-port", "0", "--vector-store-port", "0"])
+    figures: dict[int, float] = {}
+    try:
+        body = {"prompt": PROMPT, "max_tokens": a.max_tokens, "ignore_eos": True}
+        _stream(mesh.base_url, DEFAULT_MODEL, body)  # warm-up
+        for clients in a.clients:
+            results: list[int] = []
+            errors: list[BaseException] = []
+
+            def client(results: list[int] = results, errors: list[BaseException] = errors) -> None:
+                try:
+                    results.append(_stream(mesh.base_url, DEFAULT_MODEL, body)[1])
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=client) for _ in range(clients)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise RuntimeError(f"{len(errors)} of {clients} clients failed: {errors[0]}")
+            figures[clients] = sum(results) / (time.perf_counter() - t0)
+            print(f"[{label}] through mesh {clients:3d} client(s): {figures[clients]:9.1f} tokens/s "
+                  f"({sum(results)} tokens, {a.dtype})", flush=True)
+        # prompt_embeds equal to text: the rows are the model's own embedding table rows, in the served dtype.
+        ids = engine.tokenizer(PROMPT, return_tensors="pt").input_ids[0].to(engine._runner.device)
+        with torch.no_grad():
+            rows = engine.embed(ids).to("cpu")
+        buf = io.BytesIO()
+        torch.save(rows, buf)
+        short = {"max_tokens": 12, "ignore_eos": True}
+        by_text, _ = _stream(mesh.base_url, DEFAULT_MODEL, {**short, "prompt": PROMPT})
+        by_rows, _ = _stream(mesh.base_url, DEFAULT_MODEL,
+                             {**short, "prompt_embeds": base64.b64encode(buf.getvalue()).decode()})
+        same = by_text == by_rows and bool(by_text)
+        print(f"[{label}] prompt_embeds equal to text ({rows.dtype}, {rows.shape[0]} rows): "
+              f"{'yes' if same else 'NO'} -- text {by_text!r}" + ("" if same else f" vs rows {by_rows!r}"), flush=True)
+        if not same:
+            raise SystemExit(1)
+    finally:
+        mesh.stop()
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--clients", default="1,32", help="client counts, comma-separated")
+    ap.add_argument("--threads", type=int, default=4, help="torch CPU threads")
+    a = ap.parse_args()
+    a.clients = [int(c) for c in a.clients.split(",")]
+    label = device_name(a.device)
+    print(f"[{label}] gpu_check: hf engine, {a.dtype}, {a.max_tokens} tokens per stream, clients {a.clients}",
+          flush=True)
+    engine, local = asyncio.run(in_process(a, label))
+    mesh = through_mesh(a, label, engine)
+    for clients in a.clients:
+        print(f"[{label}] mesh over in-process at {clients} client(s): {mesh[clients] / local[clients]:.2f}")
+    print(f"gpu_check: device={label!r} dtype={a.dtype} "
+          + " ".join(f"inproc_{c}={local[c]:.1f} mesh_{c}={mesh[c]:.1f}" for c in a.clients) + " embeds_equal=yes")
+
+
+if __name__ == "__main__":
+    main()
