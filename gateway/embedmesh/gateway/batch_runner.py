@@ -11,7 +11,7 @@ Order of work:
   database as it finishes (``BatchStore.finish_line``): after a restart only lines not recorded run again.
 - **Interactive first**: a line starts only while ``busy()`` is false (the gateway's interactive requests in
   flight are under the configured bound), and while interactive traffic was seen in the last ``quiet_s`` only
-  when no other line runs; lines already running finish. Across gateways the preprocessor's fair
+  while fewer than ``busy_concurrency`` lines run; lines already running finish. Across gateways the preprocessor's fair
   share does the rest for keys whose ``priority`` is ``batch``.
 
 A cancelled batch stops starting lines, cancels those running (their gRPC calls with them), and ends with the
@@ -65,7 +65,7 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, call: Call, *, owner: str, unseal: Callable[[str], str],
                  concurrency: int = 4, busy: Callable[[], bool] = lambda: False, lease_s: float = 10.0,
-                 slice_lines: int = 64, poll_s: float = 1.0, quiet_s: float = 1.0) -> None:
+                 slice_lines: int = 64, poll_s: float = 1.0, quiet_s: float = 1.0, busy_concurrency: int = 1) -> None:
         self.store = store
         self.call = call
         self.owner = owner
@@ -76,6 +76,7 @@ class BatchRunner:
         self.slice_lines = slice_lines
         self.poll_s = poll_s
         self.quiet_s = quiet_s
+        self.busy_concurrency = busy_concurrency
         self._busy_at = float("-inf")
         """When interactive traffic was last seen in flight (the loop's clock)."""
         self._wake = asyncio.Event()
@@ -177,13 +178,13 @@ class BatchRunner:
 
     async def _turn(self, running: set[asyncio.Task[None]], stopped: Callable[[], bool]) -> None:
         """Wait until a line may start: no interactive request in flight, and while there were some in the last
-        ``quiet_s``, no other batch line running either (the batch trickles, one line at a time, between
-        interactive requests; at full concurrency only once they stopped)."""
+        ``quiet_s``, fewer than ``busy_concurrency`` batch lines running (1: the batch trickles, one line at a time,
+        between interactive requests; 0: it waits for a quiet spell); at full concurrency once they stopped."""
         loop = asyncio.get_running_loop()
         while not stopped():
             if self.busy():
                 self._busy_at = loop.time()
-            elif not running or loop.time() - self._busy_at >= self.quiet_s:
+            elif len(running) < self.busy_concurrency or loop.time() - self._busy_at >= self.quiet_s:
                 return
             await asyncio.sleep(_BUSY_POLL_S)
 

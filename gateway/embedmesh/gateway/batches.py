@@ -106,9 +106,12 @@ class Batches:
         """url -> the route's own handler (filled by ``create_app`` from the routes it serves)."""
         self._fernet: Fernet | None = None
         owner = config.batch_runner_id or f"{socket.gethostname()}:{config.port or os.getpid()}"
+        self.own_calls = 0
+        """Requests to the batch routes in flight here (a client polling its batch is not interactive traffic)."""
         self.runner = BatchRunner(self.store, self.call, owner=owner, unseal=self.unseal,
                                   concurrency=config.batch_concurrency,
-                                  busy=lambda: 0 < config.batch_pause_inflight <= inflight())
+                                  busy_concurrency=min(config.batch_busy_concurrency, config.batch_concurrency),
+                                  busy=lambda: 0 < config.batch_pause_inflight <= inflight() - self.own_calls)
 
     @property
     def fernet(self) -> Fernet:
@@ -266,11 +269,21 @@ def routes(gw: Gateway, batches: Batches) -> list[Route]:
         batches.runner.wake(cancelled=bid)
         return _json(got)
 
+    def own(handler: Handler) -> Handler:
+        async def counted(request: Request) -> Response:
+            batches.own_calls += 1
+            try:
+                return await handler(request)  # type: ignore[no-any-return]
+            finally:
+                batches.own_calls -= 1
+
+        return counted
+
     return [
-        Route("/v1/batches", create, methods=["POST"]),
-        Route("/v1/batches", list_batches, methods=["GET"]),
-        Route("/v1/batches/{batch_id}", retrieve, methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", cancel, methods=["POST"]),
+        Route("/v1/batches", own(create), methods=["POST"]),
+        Route("/v1/batches", own(list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", own(retrieve), methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", own(cancel), methods=["POST"]),
     ]
 
 

@@ -46,6 +46,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     batch_pause_inflight: int = 1
     """Batch lines start only while fewer interactive requests than this are in flight at this gateway (lower
     priority than interactive traffic); 0 = they never wait."""
+    batch_busy_concurrency: int = 0
+    """Batch lines run at once while interactive requests were in flight at this gateway in the last second: 0 = none,
+    the batch waits for a quiet second (interactive latency first, however long the traffic lasts); 1 = it trickles
+    one line at a time between them (progress under steady traffic, at a latency cost: bench/bench_batch.py)."""
     batch_order: str = option("prefix", choices=("prefix", "file"))
     """Order a batch's lines run in: ``prefix`` (lines sharing a prompt start back to back, for the prefix cache)
     or ``file`` (as in the file: for comparison in bench/bench_batch.py)."""
@@ -83,8 +87,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     """How long a stored response stays readable (and continuable by ``previous_response_id``), in seconds (> 0)."""
 
     def __post_init__(self) -> None:
-        if self.batch_concurrency < 1 or self.batch_pause_inflight < 0 or self.batch_max_lines < 1:
-            raise ValueError("batch_concurrency and batch_max_lines must be >= 1, batch_pause_inflight >= 0")
+        if self.batch_concurrency < 1 or self.batch_pause_inflight < 0 or self.batch_max_lines < 1 \
+                or self.batch_busy_concurrency < 0:
+            raise ValueError("batch_concurrency and batch_max_lines must be >= 1, batch_pause_inflight and "
+                             "batch_busy_concurrency >= 0")
         if self.batch_max_file_bytes < 1024:
             raise ValueError(f"batch_max_file_bytes must be >= 1024, got {self.batch_max_file_bytes}")
         if not 0 <= self.port < 65536:
