@@ -56,8 +56,12 @@ def test_the_cat_picture_is_answered_with_a_cat_and_encoded_once(client: Any, me
     assert CAT_WORDS.search(answer), answer
     second = ask(client, image_part(chelsea))
     assert second.choices[0].message.content == answer  # greedy, the same rows
+    streamed = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=12, stream=True,
+        messages=[{"role": "user", "content": [image_part(chelsea), {"type": "text", "text": QUESTION}]}])
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == answer
     assert preprocessor_metric(mesh, "embedmesh_image_encodes_total") - encodes == 1
-    assert preprocessor_metric(mesh, "embedmesh_image_cache_hits_total") - hits == 1
+    assert preprocessor_metric(mesh, "embedmesh_image_cache_hits_total") - hits == 2
     # the image is a handful of rows in the prompt, counted as prompt positions
     by_text = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
         {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": QUESTION}]}])
