@@ -21,6 +21,15 @@ def test_flags() -> None:
     assert PreprocessorConfig.from_args(["--upload-ttl-seconds", "61"], env={}).upload_ttl_seconds == 61
 
 
+def test_image_settings() -> None:
+    c = PreprocessorConfig.from_args(["--image-encoder", "off", "--max-image-pixels", "1000"],
+                                     env={"EMBEDMESH_PREPROCESSOR_IMAGE_URL_HOSTS": "img.example.com,cdn.example.org"})
+    assert (c.image_encoder, c.max_image_pixels, c.image_url_hosts) == ("off", 1000, ("img.example.com",
+                                                                                      "cdn.example.org"))
+    d = PreprocessorConfig()
+    assert (d.image_encoder, d.image_url_hosts, d.max_image_bytes) == ("efficientnet-lite0", (), 20 << 20)
+
+
 OLD = {"EMBEDMESH_WORKERS": "w:1,w:2", "EMBEDMESH_TOKENIZER": "/tok", "EMBEDMESH_MAX_EMBEDS_BYTES": "2048",
        "EMBEDMESH_MAX_MESSAGE_BYTES": str(8 << 20), "EMBEDMESH_CACHE_CAPACITY_BYTES": "0", "REDIS_URL": "redis://r",
        "EMBEDMESH_UPLOAD_TTL_SECONDS": "5", "EMBEDMESH_ROUTERS": "r:1", "EMBEDMESH_BLOCK_SIZE": "32",
@@ -60,6 +69,10 @@ def test_the_preprocessors_own_variable_beats_the_shared_one_and_a_flag_beats_bo
     (["--drain-seconds", "-1"], "drain_seconds must be >= 0"),
     (["--model-tokenizers", "m"], "--model-tokenizers: 'm' is not name=folder"),
     (["--embedded-router", "--routers", "r:1"], "--embedded-router and --routers are exclusive"),
+    (["--image-encoder", "clip"], "invalid choice: 'clip'"),
+    (["--max-image-bytes", "10"], "max_image_bytes must be >= 1024 and max_image_pixels >= 1"),
+    (["--max-image-pixels", "0"], "max_image_bytes must be >= 1024 and max_image_pixels >= 1"),
+    (["--image-fetch-timeout-seconds", "0"], "image_fetch_timeout_seconds must be > 0"),
 ])
 def test_bad_values_are_usage_errors_naming_the_setting(argv: list[str], needle: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
