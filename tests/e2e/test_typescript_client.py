@@ -51,12 +51,12 @@ def _chunked_calls(mesh: Any) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{mesh.extra['metrics_base'] + 1}/metrics", timeout=10).read()
-    prefix = 'embedmesh_rpc_requests_total{code="OK",method="StreamCompleteChunks",service="preprocessor"} '
+    prefix = 'embedmesh_rpc_requests_total{code="OK",method="Generate",service="preprocessor"} '
     return sum(float(line[len(prefix):]) for line in text.decode().splitlines() if line.startswith(prefix))
 
 
 def test_a_big_tensor_goes_in_pieces_and_gives_the_same_text(mesh: Any, tmp_path: Path) -> None:
-    # 1200 x 576 float32 = 2.8 MB, past the client's 1 MiB threshold: sent as StreamCompleteChunks
+    # 1200 x 576 float32 = 2.8 MB, past the client's 1 MiB threshold: sent as Generate rows after the header
     big = (np.random.default_rng(2).standard_normal((1200, 576)) * 0.05).astype("<f4")
     path = tmp_path / "big.f32"
     path.write_bytes(big.tobytes())
@@ -64,9 +64,9 @@ def test_a_big_tensor_goes_in_pieces_and_gives_the_same_text(mesh: Any, tmp_path
     r = subprocess.run(["node", str(SCRIPT), mesh.preprocessor, MODEL, str(path), "1200", "576", "5"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert _chunked_calls(mesh) == before + 1
     out = json.loads(r.stdout)
     with Client(mesh.preprocessor) as c:
         expected = c.complete(MODEL, embeds=big, max_tokens=5, temperature=0)
     assert out["text"] == expected.choices[0].text
     assert out["usage"]["promptTokens"] == 1200
-    assert _chunked_calls(mesh) == before + 1

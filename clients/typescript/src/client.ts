@@ -82,20 +82,12 @@ export function float32Tensor(values: Float32Array, rows: number, hidden: number
   };
 }
 
-/** Tensors of this many bytes or more go in pieces (StreamCompleteChunks): no message size limit to raise. */
+/** Tensors of this many bytes or more go as rows after the Generate header: no message size limit to raise. */
 export const CHUNKED_MIN = 1 << 20;
 const CHUNK_BYTES = 1 << 20;
 
-/** UNIMPLEMENTED from gRPC itself (a mesh from before the method), not an answer of the mesh's own (which always
- * carries status details). */
-function methodMissing(err: grpc.ServiceError): boolean {
-  return err.code === grpc.status.UNIMPLEMENTED && !(err.metadata?.get("grpc-status-details-bin")?.length);
-}
-
 export class EmbedmeshClient {
   private readonly stub: any;
-  /** False once the mesh answered that it has no StreamCompleteChunks: one message from then on. */
-  private chunks = true;
 
   constructor(address: string, credentials: grpc.ChannelCredentials = grpc.credentials.createInsecure()) {
     const Service = loadService();
@@ -131,31 +123,14 @@ export class EmbedmeshClient {
   }
 
   /** Stream a completion of one embeddings prompt; calls onDelta for every delta, resolves with the whole.
-   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. A tensor of CHUNKED_MIN
-   * bytes or more goes as StreamCompleteChunks (the request, then its bytes in 1 MiB pieces); a mesh without that
-   * method gets it as one StreamComplete message. */
-  async streamComplete(
+   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. One
+   * InferenceService.Generate call: a tensor of CHUNKED_MIN bytes or more goes as rows after the header (in 1 MiB
+   * pieces), a smaller one inside the header. */
+  streamComplete(
     model: string,
     tensor: ReturnType<typeof float32Tensor>,
     sampling: Sampling,
     onDelta: (d: Delta) => void = () => {},
-  ): Promise<CompletionResult> {
-    const chunked = this.chunks && tensor.data.length >= CHUNKED_MIN;
-    try {
-      return await this.stream(model, tensor, sampling, onDelta, chunked);
-    } catch (err: any) {
-      if (!chunked || !methodMissing(err)) throw err;
-      this.chunks = false;
-      return this.stream(model, tensor, sampling, onDelta, false);
-    }
-  }
-
-  private stream(
-    model: string,
-    tensor: ReturnType<typeof float32Tensor>,
-    sampling: Sampling,
-    onDelta: (d: Delta) => void,
-    chunked: boolean,
   ): Promise<CompletionResult> {
     return new Promise((resolve, reject) => {
       const result: CompletionResult = {
@@ -163,19 +138,19 @@ export class EmbedmeshClient {
         finishReasons: [],
         usage: { promptTokens: 0, completionTokens: 0, totalTokens: 0 },
       };
-      let call: any;
+      const call = this.stub.Generate();
+      const chunked = tensor.data.length >= CHUNKED_MIN;
+      const head = chunked ? { dtype: tensor.dtype, shape: tensor.shape } : tensor;
+      call.write({ request: { completion: { model, promptEmbeds: [{ tensor: head }], sampling }, stream: true } });
       if (chunked) {
-        call = this.stub.StreamCompleteChunks();
-        const head = { dtype: tensor.dtype, shape: tensor.shape };
-        call.write({ request: { params: { model, promptEmbeds: [{ tensor: head }], sampling } } });
         for (let i = 0; i < tensor.data.length; i += CHUNK_BYTES) {
           call.write({ rows: tensor.data.subarray(i, i + CHUNK_BYTES) });
         }
-        call.end();
-      } else {
-        call = this.stub.StreamComplete({ params: { model, promptEmbeds: [{ tensor }], sampling } });
       }
-      call.on("data", (msg: any) => {
+      call.end();
+      call.on("data", (event: any) => {
+        const msg = event.completionChunk;
+        if (!msg) return;
         if (msg.usage) {
           result.usage = msg.usage;
           return;
