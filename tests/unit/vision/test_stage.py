@@ -201,3 +201,24 @@ async def test_a_repeated_image_gives_the_same_routing_block_hashes() -> None:
     assert await hashes(ImageSource(data=png(7, compress_level=0))) == first
     other = await hashes(url(png(8)))
     assert other[:2] == first[:2] and other[2:] != first[2:]
+
+
+async def test_a_second_replica_finds_the_rows_in_redis_and_does_not_encode() -> None:
+    """With Redis as the shared L2, an image one preprocessor replica encoded costs another one a lookup."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer().start()
+    caches = [TieredCache(CacheConfig(capacity_bytes=1 << 20, redis_url=server.url)) for _ in range(2)]
+    try:
+        replicas = [Harness() for _ in caches]
+        for h, cache in zip(replicas, caches, strict=True):
+            h.stage.cache = cache
+        first = await replicas[0].rows(url(png(9)))
+        second = await replicas[1].rows(url(png(9)))
+        assert [h.calls for h in replicas] == [1, 0]
+        assert np.array_equal(first, second)
+        assert caches[1].l2 is not None and caches[1].l2.counters.hits == 1
+    finally:
+        for cache in caches:
+            await cache.close()
+        server.close()
