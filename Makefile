@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv clean fuzz soak
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv clean fuzz soak test-plain
 .PHONY: image-sysdeps images images-default test-images
 
 BUF_VERSION := 1.75.0
@@ -96,6 +96,13 @@ clients/typescript/dist/complete.js clients/typescript/dist/models.js &: clients
 
 test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv images-default
 	EMBEDMESH_REQUIRE_IMAGES=1 $(PY) -m pytest tests
+	$(MAKE) --no-print-directory test-plain
+
+# The e2e request suites again with every performance bypass off (services/embedmesh/core/fastpath.py): each
+# bypass must change speed only, never behaviour.
+PLAIN_SUITES = tests/e2e/test_completions.py tests/e2e/test_chat.py tests/e2e/test_uploads.py tests/e2e/test_rest_pieces.py
+test-plain: venv model sysdeps
+	EMBEDMESH_FASTPATH=off $(PY) -m pytest -q $(PLAIN_SUITES)
 
 test-unit: venv model
 	$(PY) -m pytest tests/unit

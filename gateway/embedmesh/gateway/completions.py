@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -21,11 +21,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from embedmesh.core import fastpath
 from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
-from embedmesh.gateway.pieces_body import chat_pieces, completion_pieces, pieces_call
+from embedmesh.gateway.pieces_body import PiecesBody, chat_pieces, completion_pieces, pieces_call
 from embedmesh.gateway.sse import DONE, DisconnectWatcher, EventStream, event
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, usage_json
 from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
@@ -185,24 +186,38 @@ def _chunk_choice(ev: Any, finish: str | None, shape: _Shape, has_lps: bool) -> 
     return choice
 
 
+def _no_fallback() -> bytes:
+    raise AssertionError("only a pieces call falls back to one message")
+
+
+def _outgoing(body: dict[str, Any], chat: bool, pieces_min_bytes: int) -> tuple[
+        Any, PiecesBody | None, bytes | None, Callable[[], bytes]]:
+    """What goes to the preprocessor: (params, pieces, data, one_message). Big payloads go as a pieces stream
+    (``pieces``; ``one_message`` builds the one message if that call falls back); other decoded ``prompt_embeds``
+    are spliced into the request bytes (``data``: their one copy, see wire_body), or, with the bypasses off
+    (``core.fastpath``), left inside ``params`` for protobuf to build and serialize; without any, ``params`` alone."""
+    blobs: list[bytes] = []
+    params = chat_params(body, blobs) if chat else completion_params(body, blobs)
+
+    def one_message() -> bytes:
+        return chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)
+
+    if not blobs:
+        return params, None, None, _no_fallback
+    pieces = (chat_pieces if chat else completion_pieces)(params, blobs, pieces_min_bytes)
+    if pieces is not None:
+        return params, pieces, None, one_message
+    if not fastpath.enabled():
+        return (chat_params(body) if chat else completion_params(body)), None, None, _no_fallback
+    return params, None, one_message(), _no_fallback  # the payloads go with ``blobs``: ``data`` holds their copy
+
+
 def routes(gw: Gateway) -> list[Route]:
     """The completion routes, bound to the gateway's channel."""
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await gw.read_json(request, chat_slots if chat else completion_slots)
-        # Decoded prompt_embeds go to ``blobs`` and are spliced into the request bytes (one copy, see wire_body).
-        blobs: list[bytes] = []
-        params = chat_params(body, blobs) if chat else completion_params(body, blobs)
-
-        def one_message() -> bytes:
-            return chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)
-
-        # Big payloads go as pieces instead (pieces_body); the one message is built if that call falls back
-        pieces = (chat_pieces if chat else completion_pieces)(params, blobs, gw.config.pieces_min_bytes) \
-            if blobs else None
-        data = one_message() if blobs and pieces is None else None
-        if pieces is None:
-            del blobs  # the decoded payloads: ``data`` holds their one copy
+        params, pieces, data, one_message = _outgoing(body, chat, gw.config.pieces_min_bytes)
         stub = gw.stub
         timeout = gw.config.request_timeout_seconds
         created = int(time.time())

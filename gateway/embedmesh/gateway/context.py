@@ -11,6 +11,7 @@ import orjson
 from grpc_health.v1 import health_pb2_grpc
 from starlette.requests import ClientDisconnect, Request
 
+from embedmesh.core import fastpath
 from embedmesh.gateway import embeds_json
 from embedmesh.gateway.auth import forwarding_channel
 from embedmesh.gateway.config import GatewayConfig
@@ -62,7 +63,7 @@ class Gateway:
                            code="client_disconnected") from None
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
-        if base64_slots is not None:
+        if base64_slots is not None and fastpath.enabled():
             body = embeds_json.loads(raw, base64_slots)
             if body is not None:
                 return require_object(body)

@@ -10,7 +10,8 @@ p50 and 0.31-0.34 → 0.25-0.28 ms of server CPU; the mesh's preprocessor 1.15 �
 completion, 1-client p50 over gRPC 1.90 → 1.57-1.66 ms and over REST 2.25-2.72 → 1.85 ms. Everything else —
 TLS, keepalive, health, drain — behaves the same (the whole test suite runs this way).
 
-An operator's own ``GRPC_EXPERIMENTS`` (even empty: gRPC's defaults) is left as it is. grpcio is pinned
+An operator's own ``GRPC_EXPERIMENTS`` (even empty: gRPC's defaults) is left as it is, and so are gRPC's defaults
+with ``EMBEDMESH_FASTPATH=off`` (``core.fastpath``). grpcio is pinned
 (pyproject.toml), so the names stay valid; a gRPC that no longer knows one logs it and ignores it.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
+
+from embedmesh.core import fastpath
 
 __all__ = ["GRPC_EXPERIMENTS", "apply"]
 
@@ -27,7 +30,7 @@ GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> bool:
     """Set ``GRPC_EXPERIMENTS`` unless the environment already has it; whether it was set here."""
-    if "GRPC_EXPERIMENTS" in environ:
+    if "GRPC_EXPERIMENTS" in environ or not fastpath.enabled(environ):
         return False
     environ["GRPC_EXPERIMENTS"] = GRPC_EXPERIMENTS
     return True

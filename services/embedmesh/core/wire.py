@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from embedmesh.core import tensors
+from embedmesh.core import fastpath, tensors
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
@@ -89,10 +89,25 @@ def generate_request_bytes(header: worker_pb2.GenerateRequest, pieces: Sequence[
     ``segments`` set."""
     if len(header.segments):
         raise ValueError("header must not have segments")
+    if not fastpath.enabled():  # the plain path: protobuf's constructors and serializer (core.fastpath)
+        return _plain_generate_request(header, pieces, dtype)
     parts: list[bytes | memoryview] = [header.SerializeToString()]
     for piece in pieces:
         parts.extend(segment_parts(piece, dtype))
     return b"".join(parts)
+
+
+def _plain_generate_request(header: worker_pb2.GenerateRequest, pieces: Sequence[tuple[int, ...] | np.ndarray],
+                            dtype: int) -> bytes:
+    request = worker_pb2.GenerateRequest()
+    request.CopyFrom(header)
+    for piece in pieces:
+        if isinstance(piece, tuple):
+            request.segments.add(token_ids=worker_pb2.TokenIds(ids=piece))
+        else:
+            request.segments.add(embeds=tensor_pb2.Tensor(dtype=dtype, shape=list(piece.shape),  # type: ignore[arg-type]
+                                                          data=bytes(_rows_view(piece, dtype))))
+    return request.SerializeToString()
 
 
 def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int) -> tuple[bytes, list[memoryview]]:
@@ -327,7 +342,7 @@ def _parser(cls: Any, split: Any) -> Any:
     """A request deserializer for ``cls``: a ``WireRequest`` from ``split`` for requests big enough to carry tensors
     (their bytes are not copied out of the received buffer), the plain message otherwise."""
     def parse(raw: bytes) -> Any:
-        if len(raw) >= _ZERO_COPY_MIN:
+        if len(raw) >= _ZERO_COPY_MIN and fastpath.enabled():  # off: protobuf's parser (core.fastpath)
             out = split(raw)
             if out is not None:
                 return out

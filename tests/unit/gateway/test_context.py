@@ -133,3 +133,10 @@ def test_open_makes_the_channel_and_its_stubs_and_close_closes_it() -> None:
 
     asyncio.run(cycle())
     assert gw.config.preprocessor == "127.0.0.1:1"
+
+
+def test_with_the_bypasses_off_big_base64_is_parsed_as_a_plain_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBEDMESH_FASTPATH", "off")
+    text = pybase64.b64encode(bytes(range(256)) * 8192).decode()
+    r = client(limit=8 << 20).post("/slots", content=orjson.dumps({"prompt_embeds": text}))
+    assert r.json() == {"decoded": False, "data": text}

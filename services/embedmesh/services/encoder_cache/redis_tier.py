@@ -39,6 +39,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from embedmesh.core import fastpath
 from embedmesh.core.logs import get_logger
 from embedmesh.core.tensors import DTYPE_NAMES, MAX_RANK, element_size, numpy_dtype
 from embedmesh.services.encoder_cache.lru import TierCounters
@@ -106,7 +107,7 @@ class RedisTier:
         self._timeout = timeout_seconds
         # Bulk reads and writes go through a lean RESP client that moves chunks straight between the socket and the
         # array (see ``resp``); URLs it does not handle (TLS, RESP3, other options) use redis-py for those too.
-        params = plain_params(url)
+        params = plain_params(url) if fastpath.enabled() else None  # off: redis-py for everything
         self._pool: RespPool | None = RespPool(params, timeout_seconds) if params is not None else None
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_seconds,
                                             socket_connect_timeout=timeout_seconds, retry_on_timeout=False)
