@@ -81,7 +81,7 @@ class SoftPromptEncoder:
         from embedmesh.vision.projector import ClassNameProjector
 
         self.tower = EfficientNetLite0(threads=threads)
-        tokenizer = Tokenizer(folder)
+        tokenizer = Tokenizer(folder, 0)  # class names are tokenized once: no prompt cache
         self.projector = ClassNameProjector(input_embeddings(folder), lambda t: tokenizer.encode(t, False),
                                             imagenet_class_names())
         self.hidden_size = self.projector.hidden_size
