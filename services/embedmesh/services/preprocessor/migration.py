@@ -28,6 +28,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter
 
+from embedmesh.common.v1 import common_pb2
 from embedmesh.core.sampling import DEFAULT_MAX_TOKENS
 from embedmesh.services.preprocessor.worker_chunks import ChunkedBody
 from embedmesh.worker.v1 import worker_pb2
@@ -64,6 +65,8 @@ class Resume:
     """Token ids the client got."""
     started: bool = False
     """Some output went to the client (from then on a failure is a cut, not a retry)."""
+    finished: bool = False
+    """The sequence's last delta (with its finish reason) went to the client: a failure after it cuts nothing."""
     migrations: int = 0
     offset: int = 0
     """Tokens sent before the worker now serving took over (added to its ``completion_tokens``)."""
@@ -71,6 +74,7 @@ class Resume:
     def deliver(self, resp: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse:
         """A worker's response as the client's stream counts it (recorded; a continuation's counts made whole)."""
         self.started = True
+        self.finished = resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         self.ids.extend(resp.token_ids)
         if self.offset:
             resp.completion_tokens += self.offset

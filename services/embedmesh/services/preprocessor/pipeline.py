@@ -343,7 +343,7 @@ async def _one(
         a = _Attempt()
         try:
             failure = await _call(a, index, req, pick, out, pool, model, adapter, body, attempt, failed, resume)
-            if failure is None:
+            if failure is None or resume.finished:  # ended (a failure after the last delta cuts nothing)
                 return
             if resume.started:
                 cut = cut or failure

@@ -235,3 +235,41 @@ def test_a_continuation_counts_what_went_before() -> None:
     resp.prompt_logprobs.add(token_id=1)
     out = resume.deliver(resp)
     assert out.completion_tokens == 4 and not out.prompt_logprobs and resume.ids == [4] and resume.started
+
+
+@pytest.mark.asyncio
+async def test_a_failure_after_the_last_delta_ends_nothing_twice() -> None:
+    """The worker's stream breaks after the sequence's last delta went out: the client has its whole answer and
+    one finish; nothing is continued or raised."""
+    import grpc
+
+    from embedmesh.services.preprocessor.pipeline import _one
+
+    class _Call:
+        def __aiter__(self) -> Any:
+            async def gen() -> Any:
+                yield worker_pb2.GenerateResponse(token_ids=[5], text=" 5", completion_tokens=1,
+                                                  finish_reason=common_pb2.FINISH_REASON_LENGTH)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "Connection reset")
+            return gen()
+
+        def cancel(self) -> None:
+            pass
+
+    async with _Mesh(await _worker(), await _worker()) as mesh:
+        for w in mesh.pool.workers:
+            w.generate_raw = lambda body: _Call()  # type: ignore[method-assign]
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        req = worker_pb2.GenerateRequest(request_id="r")
+        req.sampling.max_tokens = 4
+
+        async def pick() -> Any:
+            return mesh.pool.workers[0]
+
+        before = _migrated()
+        await _one(0, req, pick, out, mesh.pool, "m", body=req.SerializeToString(),
+                   resume=Resume(MigrationLimits(), 3))
+        items = [out.get_nowait() for _ in range(out.qsize())]
+    assert len(items) == 1 and items[0][1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert _migrated() == before
