@@ -11,7 +11,9 @@ its offset; penalties and the grammar see the resumed tokens). Its responses' ``
 what it generated: the pipeline adds what went before, so usage counts the whole. Tokens the lost worker generated
 but the client never got are generated again, never duplicated: the cut is where the client's stream stopped.
 
-Only workers whose GetInfo says ``resumes_generation`` take a continuation (hf, mocker, echo; a vLLM or SGLang
+The continuation goes where the router places the prompt (its block hashes: the worker holding the prompt
+prefills least) when that is another worker that resumes, else round robin over those. Only workers whose GetInfo
+says ``resumes_generation`` take a continuation (hf, mocker, echo; a vLLM or SGLang
 worker, or an older one, never gets one). Limits (``PreprocessorConfig``): ``migration_limit`` continuations per
 sequence, ``migration_max_positions`` (prompt + tokens sent) a continuation may prefill again. A sequence that
 cannot continue — a limit reached, no other worker that resumes, its continuation refused — ends with the cut's

@@ -389,6 +389,20 @@ def _ended_at_cut(index: int, req: worker_pb2.GenerateRequest, resume: Resume,
     return True
 
 
+async def _resuming_worker(pick: Callable[[], Awaitable[WorkerHandle]], pool: WorkerPool, model: str, adapter: str,
+                           failed: WorkerHandle | None) -> WorkerHandle:
+    """Where a continuation goes: the first try's choice again (the router's, by the prompt's block hashes: the
+    worker holding the prompt prefills least) when it is another worker that resumes, else the pool's round robin
+    over those."""
+    try:
+        worker = await pick()
+    except EmbedmeshError:
+        worker = None
+    if worker is None or worker is failed or worker not in pool.resumable(model, adapter):
+        worker = pool.pick(model, exclude=failed, adapter=adapter, resuming=True)
+    return worker
+
+
 async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
                 pick: Callable[[], Awaitable[WorkerHandle]],
                 out: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse] | BaseException],
@@ -400,7 +414,7 @@ async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
         if attempt == 0 or pool is None:
             a.worker = await pick()
         elif resume.started:
-            a.worker = pool.pick(model, exclude=failed, adapter=adapter, resuming=True)
+            a.worker = await _resuming_worker(pick, pool, model, adapter, failed)
         elif adapter:
             a.worker = await pool.ensure_adapter(model, adapter, exclude=failed)
         else:

@@ -273,3 +273,32 @@ async def test_a_failure_after_the_last_delta_ends_nothing_twice() -> None:
         items = [out.get_nowait() for _ in range(out.qsize())]
     assert len(items) == 1 and items[0][1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert _migrated() == before
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("router_says", [2, 0])
+async def test_the_continuation_goes_where_the_router_places_the_prompt_when_it_can(router_says: int) -> None:
+    """The first try's picker (the router, by the prompt's hashes) is asked again: its worker takes the
+    continuation; when it names the worker just lost, another one that resumes does."""
+    from embedmesh.services.preprocessor.pipeline import _one
+
+    async with _Mesh(await _worker(), await _worker(), await _worker()) as mesh:
+        picks = iter([0, router_says])
+
+        async def pick() -> Any:
+            return mesh.pool.workers[next(picks)]
+
+        req = worker_pb2.GenerateRequest(request_id="r")
+        req.sampling.max_tokens = N
+        req.segments.add().token_ids.ids.extend(range(20))
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        task = asyncio.create_task(_one(0, req, pick, out, mesh.pool, "m", body=req.SerializeToString(),
+                                        resume=Resume(MigrationLimits(), 20)))
+        items = [await out.get() for _ in range(3)]
+        await _kill(mesh, 0)
+        await asyncio.wait_for(task, 30)
+        while not out.empty():
+            items.append(out.get_nowait())
+        done = [e.stats().completed_requests for e in mesh.engines]
+    assert [t for _, r in items for t in r.token_ids] == await _reference(PROMPTS["text"])
+    assert done[0] == 0 and (done[2] == 1 if router_says == 2 else done[1] + done[2] == 1)
