@@ -153,7 +153,15 @@ class BatchRunner:
                 status[0] = "cancelling"
             return status[0] != "in_progress"
 
+        async def watch() -> None:  # interactive traffic seen between line starts counts too (the quiet window)
+            loop = asyncio.get_running_loop()
+            while True:
+                if self.busy():
+                    self._busy_at = loop.time()
+                await asyncio.sleep(_BUSY_POLL_S)
+
         lease = asyncio.get_running_loop().create_task(keep_lease())
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
             for w in work:
                 await slots.acquire()
@@ -170,6 +178,7 @@ class BatchRunner:
             await asyncio.gather(*running, return_exceptions=True)
         finally:
             lease.cancel()
+            watcher.cancel()
             for t in running:
                 t.cancel()
         if stopped():

@@ -46,10 +46,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     batch_pause_inflight: int = 1
     """Batch lines start only while fewer interactive requests than this are in flight at this gateway (lower
     priority than interactive traffic); 0 = they never wait."""
-    batch_busy_concurrency: int = 0
-    """Batch lines run at once while interactive requests were in flight at this gateway in the last second: 0 = none,
-    the batch waits for a quiet second (interactive latency first, however long the traffic lasts); 1 = it trickles
-    one line at a time between them (progress under steady traffic, at a latency cost: bench/bench_batch.py)."""
+    batch_busy_concurrency: int = 1
+    """Batch lines run at once while interactive requests were in flight at this gateway in the last second: 1 = the
+    batch trickles, one line at a time, between them (progress under steady traffic); 0 = it waits for a quiet
+    second, however long the traffic lasts (bench/bench_batch.py measures both)."""
     batch_order: str = option("prefix", choices=("prefix", "file"))
     """Order a batch's lines run in: ``prefix`` (lines sharing a prompt start back to back, for the prefix cache)
     or ``file`` (as in the file: for comparison in bench/bench_batch.py)."""

@@ -181,3 +181,21 @@ async def test_after_interactive_traffic_lines_trickle_one_at_a_time(store: Batc
     finally:
         await runner.stop()
     assert engine.peak == peak
+
+
+async def test_traffic_seen_while_every_slot_is_taken_still_holds_the_next_line(store: BatchStore) -> None:
+    engine = Engine(delay=0.3)
+    busy = [False]
+    await _batch(store, ["a", "b", "c"])
+    runner = _runner(store, engine, concurrency=2, busy=lambda: busy[0], quiet_s=30.0, busy_concurrency=0)
+    runner.start()
+    try:
+        while len(engine.seen) < 2:
+            await asyncio.sleep(0.01)
+        busy[0] = True  # an interactive request comes and goes while both slots run lines
+        await asyncio.sleep(0.05)
+        busy[0] = False
+        await asyncio.sleep(0.6)  # both lines are done: the third waits for a quiet spell
+        assert engine.seen == ["a", "b"]
+    finally:
+        await runner.stop()
