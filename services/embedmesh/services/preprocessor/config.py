@@ -43,6 +43,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     """Prometheus /metrics port (0 = none)."""
     cache_capacity_bytes: int = option(1 << 30, aliases=("EMBEDMESH_CACHE_CAPACITY_BYTES",))
     """In-process L1 of the encoder cache (decoded payloads and uploaded tensors), in bytes."""
+    prompt_cache_bytes: int = 64 << 20
+    """Prompt cache: token ids of rendered prompt text cut at the tokenizer's added tokens, by content, LRU (a shared
+    system prompt or an earlier turn is tokenized once); per tokenizer, in bytes; 0 = off."""
     redis_url: str = option("", aliases=("REDIS_URL",))
     """Redis for the shared L2; empty = L1 only, the embedded default."""
     upload_ttl_seconds: int = option(3600, flags=("--upload-ttl",), aliases=("EMBEDMESH_UPLOAD_TTL_SECONDS",))
@@ -116,6 +119,8 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_embeds_bytes must be >= 1024")
         if self.max_message_bytes < 4 * MiB:
             raise ValueError("max_message_bytes must be >= 4 MiB")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError("prompt_cache_bytes must be >= 0")
         if self.cache_capacity_bytes < 0 or self.upload_ttl_seconds < 1:
             raise ValueError("cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1")
         if self.block_size < 1:

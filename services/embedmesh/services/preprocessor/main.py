@@ -63,7 +63,7 @@ async def _follow_health(server: Server, pool: WorkerPool) -> None:
 
 async def serve(config: PreprocessorConfig) -> None:
     folder = _tokenizer_folder(config.tokenizer)
-    tokenizer = Tokenizer(folder)
+    tokenizer = Tokenizer(folder, config.prompt_cache_bytes)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand,
                       worker_streams=config.worker_streams,
@@ -83,8 +83,9 @@ async def serve(config: PreprocessorConfig) -> None:
                                                   metrics_port=config.metrics_port, public=True,
                                                   grace_seconds=config.drain_seconds))
     # One tokenizer and chat template per served model (the default pair for models not listed).
-    models = ServedModels(pool, tokenizer, template, texts={name: (Tokenizer(Path(f)), ChatTemplate(Path(f)))
-                                                            for name, f in config.model_tokenizers})
+    texts = {name: (Tokenizer(Path(f), config.prompt_cache_bytes), ChatTemplate(Path(f)))
+             for name, f in config.model_tokenizers}
+    models = ServedModels(pool, tokenizer, template, texts=texts)
     domain = InferenceDomain(pool, cache, models, Limits(max_n=config.max_n, max_prompts=config.max_prompts,
                                                          max_embeds_bytes=config.max_embeds_bytes), router,
                              FairShare(config.fair_share_slots), vision_stage(config, cache, folder))

@@ -51,9 +51,12 @@ class Tokenizer:
                                 safe_splitter(added), cache_bytes)
         """Token ids of rendered text pieces by content (``token_cache``): what a prompt shares with earlier ones
         (a system prompt, earlier turns) is not tokenized again."""
+        probe = "a b"
+        self._post_adds = self._tok.encode(probe).ids != self._tok.encode(probe, add_special_tokens=False).ids
+        """Whether the post-processor adds special tokens (a BOS...): then text prompts are tokenized uncached."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
-        if not add_special_tokens:
+        if not add_special_tokens or not self._post_adds:
             return self.cache.encode(text)
         return tuple(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -109,3 +109,13 @@ def test_unsafe_added_tokens_or_no_budget_tokenize_the_whole_text() -> None:
     long = "y" * (MIN_PIECE_CHARS * 2)
     cache.encode(long + "<x>" + long)
     assert not cache.enabled and seen == [long + "<x>" + long]
+
+
+def test_text_prompts_use_the_cache_when_the_tokenizer_adds_no_special_tokens(folder: Path, fresh: Any) -> None:
+    tokenizer = Tokenizer(folder)
+    assert not tokenizer._post_adds  # SmolLM2's post-processor adds nothing: a text prompt's ids are its pieces'
+    text = "Summarize the following document. " * 40 + "<|im_end|>" + "And then this. " * 10
+    hits = HITS._value.get()
+    assert tokenizer.encode(text) == fresh(text)
+    assert tokenizer.encode(text) == fresh(text)
+    assert HITS._value.get() - hits >= 1
