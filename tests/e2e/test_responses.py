@@ -222,7 +222,11 @@ _EMBEDS_PART = {"type": "input_prompt_embeds", "data": "%%%"}
     ({"input": []}, "input"),
     ({}, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].file_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text"),
     ({"input": ["hi", {"role": "user", "content": [_EMBEDS_PART]}]}, "input[0]"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [_EMBEDS_PART]}]},
@@ -268,6 +272,26 @@ def test_a_tensor_the_preprocessor_refuses_names_the_input_part(alpha: openai.Op
     r = alpha.responses.create(model=emesh.extra["model"], max_output_tokens=1,
                                input=[{"role": "user", "content": [{"type": "input_text", "text": "a"}, good]}])
     assert r.output_text == "x"
+
+
+def test_an_input_image_is_the_chat_image_part_it_means(alpha: openai.OpenAI, emesh: Mesh) -> None:
+    import base64
+    from importlib import metadata
+
+    png = metadata.distribution("scikit-image").locate_file("skimage/data/coffee.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    model = emesh.extra["model"]
+    r = alpha.responses.create(model=model, max_output_tokens=2, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": url}]}])
+    assert r.output_text == "xx"
+    chat = _chat_prompt_tokens(alpha, model, [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    text_only = _chat_prompt_tokens(alpha, model, [{"role": "user", "content": "What is this?"}])
+    assert r.usage.input_tokens == chat > text_only  # the image's rows reached the worker, as chat's do
+    with pytest.raises(openai.BadRequestError) as e:  # a truncated picture: refused naming the Responses part
+        alpha.responses.create(model=model, max_output_tokens=1, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(png[:5000]).decode()}]}])
+    assert e.value.body["param"] == "input[0].content[0].image_url"
 
 
 # --- the real model: where meaning matters ------------------------------------------------------------------------

@@ -230,9 +230,11 @@ _EMBEDS_PART = {**_obj({"type": {"const": "input_prompt_embeds"}},
                         "id": {"type": "string", "minLength": 1, "description": "an id returned by POST "
                                                                                 "/v1/prompt_embeds"}}),
                 "description": "prompt embeddings ([rows, hidden]) in place of text: `data` or `id`"}
+_IMAGE_PART = {**_obj({"type": {"const": "input_image"}, "image_url": _STR}, {"detail": _STR}),
+               "description": "an image as a data: URL (PNG, JPEG or WebP), or an http(s) URL of an allowed host"}
 _INPUT_ITEM = {"anyOf": [
     _obj({"role": {"enum": ["user", "system", "developer", "assistant"]},
-          "content": {"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_TEXT_PART, _EMBEDS_PART]}}]}},
+          "content": {"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_TEXT_PART, _IMAGE_PART, _EMBEDS_PART]}}]}},
          {"type": {"const": "message"}}),
     _obj({"type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR}),
     _obj({"type": {"const": "function_call_output"}, "call_id": _STR, "output": _STR})]}

@@ -40,6 +40,8 @@ def new_id(prefix: str) -> str:
 def _chat_part(part: dict[str, Any]) -> dict[str, Any]:
     if part["type"] == "input_prompt_embeds":
         return {"type": "prompt_embeds", **{k: v for k, v in part.items() if k in ("id", "data")}}
+    if part["type"] == "input_image":
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
     return {"type": "text", "text": part["text"]}
 
 

@@ -33,7 +33,7 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "fre
 ``max_completion_tokens``."""
 
 _TEXT_TYPES = ("input_text", "output_text")
-_PART_TYPES = "'input_text', 'output_text' or 'input_prompt_embeds'"
+_PART_TYPES = "'input_text', 'output_text', 'input_image' or 'input_prompt_embeds'"
 
 
 def _text(value: Any, param: str) -> str:
@@ -61,8 +61,17 @@ def _part(part: Any, where: str) -> dict[str, Any]:
         else:
             out["data"] = part["data"]
         return out
-    if kind in ("input_image", "input_file", "input_audio"):
-        raise Refusal(f"{where}.type", f"{kind!r} is not supported by this server: it takes text and "
+    if kind == "input_image":
+        if part.get("file_id") is not None:
+            raise Refusal(f"{where}.file_id", "is not supported by this server: send the image as image_url (a "
+                                              "data: URL)", "unsupported_parameter")
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise Refusal(f"{where}.image_url", "is required: a data: URL (data:image/png;base64,...) or an "
+                                                "http(s) URL", "missing" if url is None else "invalid_type")
+        return {"type": kind, "image_url": url}  # decoded by the preprocessor, within its caps (as chat's)
+    if kind in ("input_file", "input_audio"):
+        raise Refusal(f"{where}.type", f"{kind!r} is not supported by this server: it takes text, images and "
                                        "prompt embeddings", "unsupported_parameter")
     raise Refusal(f"{where}.type", f"unsupported content part type {kind!r}; this server accepts {_PART_TYPES}",
                   "unsupported_type")
