@@ -131,6 +131,23 @@ def test_grpc_raw_image_bytes_give_the_rest_answer(mesh: Any, client: Any) -> No
     assert CAT_WORDS.search(resp.choices[0].text)
 
 
+def test_the_python_client_sends_image_bytes_and_image_urls_through_generate(mesh: Any, client: Any) -> None:
+    from embedmesh_client import Client, EmbedmeshClientError
+
+    chelsea = bundled("chelsea.png")
+    by_rest = ask(client, image_part(chelsea)).choices[0].message.content
+    with Client(mesh.preprocessor, timeout=120) as c:
+        for part in ({"type": "image", "data": chelsea}, image_part(chelsea)):
+            messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+            assert c.chat(MODEL, messages, max_tokens=12, temperature=0).choices[0].text == by_rest
+        streamed = "".join(e.text for e in c.stream_chat(MODEL, [{"role": "user", "content": [
+            {"type": "image", "data": chelsea}, {"type": "text", "text": QUESTION}]}], max_tokens=12, temperature=0))
+        assert streamed == by_rest
+        with pytest.raises(EmbedmeshClientError) as info:
+            c.chat(MODEL, [{"role": "user", "content": [{"type": "image", "data": chelsea[:20_000]}]}], max_tokens=1)
+    assert info.value.field == "messages[0].content[0].image.data"
+
+
 def test_grpc_bad_image_bytes_name_the_part(mesh: Any) -> None:
     import grpc
 

@@ -114,8 +114,9 @@ def fill_rows(params: Any, rows: Sequence[memoryview]) -> None:
 def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = None,
                 tools: Sequence[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
                 rows: list[memoryview] | None = None, **sampling: Any) -> inference_pb2.ChatParams:
-    """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``.
-    With ``rows``, as ``completion_params``."""
+    """Messages as in OpenAI's API; content parts ``{"type": "prompt_embeds", "tensor": array}`` or ``"id": ...``,
+    images as ``{"type": "image", "data": file_bytes}`` or OpenAI's ``image_url`` part. With ``rows``, as
+    ``completion_params``."""
     p = inference_pb2.ChatParams(model=model, sampling=_sampling(sampling))
     for m in messages:
         msg = inference_pb2.ChatMessage(role=m["role"], name=m.get("name", ""))
@@ -127,6 +128,8 @@ def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = 
             elif part["type"] == "prompt_embeds":
                 source = part.get("id") or part.get("tensor")
                 msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(source, rows)))
+            elif part["type"] in ("image", "image_url"):
+                msg.parts.append(inference_pb2.ChatContentPart(image=_image(part)))
             else:
                 raise ValueError(f"unknown content part type {part['type']!r}")
         p.messages.append(msg)
@@ -141,6 +144,21 @@ def chat_params(model: str, messages: Sequence[dict[str, Any]], n: int | None = 
     if n is not None:
         p.n = n
     return p
+
+
+def _image(part: dict[str, Any]) -> inference_pb2.ImageInput:
+    """``{"type": "image", "data": <PNG/JPEG/WebP file bytes>}`` (sent as they are, no base64), or OpenAI's
+    ``{"type": "image_url", "image_url": {"url": "data:..." | "https://..."}}``."""
+    if part["type"] == "image":
+        data = part.get("data")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError('an "image" part needs "data": the image file\'s bytes')
+        return inference_pb2.ImageInput(data=bytes(data))
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise ValueError('an "image_url" part needs "image_url": {"url": "data:image/png;base64,..."}')
+    return inference_pb2.ImageInput(url=url)
 
 
 def embed_request(model: str, inputs: str | Sequence[str] | Sequence[Sequence[int]],
