@@ -236,3 +236,17 @@ def test_a_gateway_killed_mid_batch_resumes_and_runs_no_finished_line_twice(mesh
     assert done.status == "completed" and done.request_counts.completed == n
     assert ran_again == n - recorded  # every unrecorded line once more, no recorded one again
     assert sorted(out) == sorted(f"r{i}" for i in range(n))
+
+
+def test_a_responses_batch_runs_through_the_responses_route(mesh: Mesh) -> None:
+    c = sdk(mesh.base_url, KEY_A)
+    m = model(mesh)
+    lines = [completion("r1", {"model": m, "input": "Say hi", "max_output_tokens": 3}, "/v1/responses"),
+             completion("r2", {"model": m, "input": "Say hi", "max_output_tokens": -1}, "/v1/responses")]
+    f = c.files.create(file=("resp.jsonl", jsonl(lines)), purpose="batch")
+    done = wait(c, c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h").id)
+    out, err = lines_of(c, done.output_file_id), lines_of(c, done.error_file_id)
+    assert out["r1"]["response"]["body"]["object"] == "response"
+    assert out["r1"]["response"]["body"]["status"] in ("completed", "incomplete")
+    assert err["r2"]["response"]["status_code"] == 400
+    assert err["r2"]["response"]["body"]["error"]["param"] == "max_output_tokens"
