@@ -11,6 +11,7 @@ import grpc
 
 from embedmesh.core.mux import MuxSession, entry
 from embedmesh.router.v1 import router_pb2
+from tests.support.cut_call import CutCall
 
 
 def test_entries_make_the_repeated_field_protobuf_writes() -> None:
@@ -93,41 +94,11 @@ async def test_a_stream_that_cannot_be_opened_ends_the_session_at_once() -> None
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and session.closed
 
 
-class _CutCall:
-    """A call the peer ends just as a write goes out: grpc.aio's core refuses the write and the call's status becomes
-    INTERNAL "Internal error from Core" (the peer's own status is lost). ``first`` is answered before that."""
-
-    def __init__(self, first: Any = None) -> None:
-        self._first = first
-        self._cut = asyncio.Event()
-
-    @staticmethod
-    def _error() -> grpc.aio.AioRpcError:
-        return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                    "Internal error from Core")
-
-    async def write(self, data: bytes) -> None:
-        self._cut.set()
-        raise self._error()
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._messages()
-
-    async def _messages(self) -> AsyncIterator[Any]:
-        if self._first is not None:
-            yield self._first
-        await self._cut.wait()
-        raise self._error()
-
-    def cancel(self) -> bool:
-        return False
-
-
 async def test_a_write_refused_as_the_peer_ends_the_call_is_reported_as_unavailable_not_internal() -> None:
     from embedmesh.core.mux import CUT_WHILE_WRITING
 
     ended: asyncio.Future[grpc.aio.AioRpcError | None] = asyncio.get_running_loop().create_future()
-    session = MuxSession(_CutCall, lambda m: None, ended.set_result)
+    session = MuxSession(CutCall, lambda m: None, ended.set_result)
     session.send(b"x")
     error = await asyncio.wait_for(ended, 5)
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE

@@ -24,6 +24,7 @@ from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.worker import many
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.cut_call import CutCall
 from tests.support.engines import SlowEcho
 
 SERVICE = "embedmesh.worker.v1.WorkerService"
@@ -361,34 +362,10 @@ def test_a_stream_cut_as_a_frame_is_written_fails_unanswered_generations_as_drai
     started = worker_pb2.GenerateManyResponse(results=[worker_pb2.GenerateResult(
         id=1, response=worker_pb2.GenerateResponse(text="x"))])
 
-    class CutCall:
-        def __init__(self) -> None:
-            self._cut = asyncio.Event()
-
-        @staticmethod
-        def _error() -> grpc.aio.AioRpcError:
-            return grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                        "Internal error from Core")
-
-        async def write(self, data: bytes) -> None:
-            self._cut.set()
-            raise self._error()
-
-        def __aiter__(self) -> AsyncIterator[Any]:
-            return self._messages()
-
-        async def _messages(self) -> AsyncIterator[Any]:
-            yield started
-            await self._cut.wait()
-            raise self._error()
-
-        def cancel(self) -> bool:
-            return False
-
     async def run() -> None:
         from embedmesh.services.preprocessor.worker_stream import Generation
 
-        session = _Session(CutCall, lambda: None)
+        session = _Session(lambda: CutCall(started), lambda: None)
         running, waiting = (Generation(session, session.next_id(), lambda: None) for _ in range(2))
         session.sinks.update({1: running, 2: waiting})
         assert (await running.__anext__()).text == "x"
