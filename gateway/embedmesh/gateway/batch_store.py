@@ -164,10 +164,12 @@ class BatchStore:
             "DELETE FROM batch_files WHERE id = ? AND tenant = ?", (fid, tenant)))
         return bool(n)
 
-    async def list_files(self, tenant: str, purpose: str, after: str, limit: int,
+    async def list_files(self, tenant: str, purposes: Sequence[str], after: str, limit: int,
                          ascending: bool) -> tuple[list[dict[str, Any]], bool]:
-        rows = await self._page("batch_files", _FILE_COLUMNS, "tenant = ? AND purpose = ?", (tenant, purpose),
-                                after, limit, ascending)
+        """A page of the tenant's files of any of ``purposes`` (at least one)."""
+        marks = ", ".join("?" * len(purposes))
+        rows = await self._page("batch_files", _FILE_COLUMNS, f"tenant = ? AND purpose IN ({marks})",
+                                (tenant, *purposes), after, limit, ascending)
         return [_file_json(r) for r in rows[:limit]], len(rows) > limit
 
     async def _page(self, table: str, columns: str, where: str, params: tuple[Any, ...], after: str, limit: int,

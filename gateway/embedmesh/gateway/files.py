@@ -128,12 +128,13 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None, batches: B
 
     async def list_files(request: Request) -> Response:
         purpose = request.query_params.get("purpose", "")
-        if batches is not None and purpose in BATCH_PURPOSES:
+        # Batch files by their purposes; all of them when there is no vector store to hold any other file.
+        if batches is not None and (purpose in BATCH_PURPOSES or not (purpose or gateway.config.vector_store)):
             page = page_request(request, before=False)
             if page.limit > 100:
                 raise bad_request("limit", "must be in [1, 100]")
-            data, more = await batches.store.list_files(tenant_of(request), purpose, page.after, page.limit or 20,
-                                                        page.order == pb.SORT_ORDER_ASC)
+            data, more = await batches.store.list_files(tenant_of(request), (purpose,) if purpose else BATCH_PURPOSES,
+                                                        page.after, page.limit or 20, page.order == pb.SORT_ORDER_ASC)
             return json_response(list_page(data, more))
         req = pb.ListFilesRequest(purpose=request.query_params.get("purpose", ""),
                                   page=page_request(request, before=False))

@@ -90,8 +90,11 @@ async def test_a_line_is_counted_once_and_the_files_are_written_in_file_order(st
     assert out is not None and [orjson.loads(x) for x in out.splitlines()] == [{"line": "a"}, {"line": "c"}]
     err = await store.file_content("t1", got["error_file_id"])
     assert err == b'{"line":"b"}\n'
-    files, _ = await store.list_files("t1", "batch_output", "", 10, ascending=True)
+    files, _ = await store.list_files("t1", ("batch_output",), "", 10, ascending=True)
     assert sorted(f["id"] for f in files) == sorted([got["output_file_id"], got["error_file_id"]])
+    both, _ = await store.list_files("t1", ("batch", "batch_output"), "", 10, ascending=True)
+    assert len(both) == 3 and both[0]["purpose"] == "batch"  # the input file came first
+    assert (await store.list_files("t2", ("batch", "batch_output"), "", 10, ascending=True))[0] == []
 
 
 async def test_cancel_marks_an_unfinished_batch_and_finalize_ends_it_cancelled(store: BatchStore) -> None:

@@ -109,6 +109,7 @@ def test_uploads_are_checked_as_jsonl_and_batches_as_openai_says(tmp_path: Path)
     fid = up.json()["id"]
     assert http.get(f"/v1/files/{fid}").json()["bytes"] == up.json()["bytes"]
     assert http.get("/v1/files", params={"purpose": "batch"}).json()["data"][0]["id"] == fid
+    assert [f["id"] for f in http.get("/v1/files").json()["data"]] == [fid]  # no vector store: every batch file
     refused = http.post("/v1/files", data={"purpose": "batch_output"}, files={"file": ("o.jsonl", _line("a"))})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "purpose"
     base = {"input_file_id": fid, "endpoint": "/v1/completions", "completion_window": "24h"}
