@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+from prometheus_client import Counter
 
 from embedmesh.core.logs import get_logger
 from embedmesh.gateway.batch_store import BatchStore, Work, new_id
@@ -34,6 +35,9 @@ from embedmesh.gateway.errors import RETRYABLE
 __all__ = ["BatchRunner", "Call"]
 
 log = get_logger("embedmesh.gateway.batches")
+
+LINES = Counter("embedmesh_gateway_batch_lines_total", "Batch lines run by this gateway, by outcome: ok and failed "
+                "are recorded in their batch; retried (429/503 from the mesh) run again later", ["outcome"])
 
 Call = Callable[[str, bytes, str], Awaitable[tuple[int, bytes]]]
 """(url, body, Authorization header) -> (HTTP status, response body): one line through its route's handler."""
@@ -200,10 +204,12 @@ class BatchRunner:
     async def _line(self, bid: str, auth: str, w: Work) -> None:
         status, body = await self.call(w.url, w.body, auth)
         if status in RETRYABLE:  # the mesh is saturated or restarting: not the line's fault, it runs again later
+            LINES.labels("retried").inc()
             await asyncio.sleep(1.0)
             return
         ok, line = output_line(w, status, body)
         try:
-            await self.store.finish_line(bid, w.idx, ok, line)
+            if await self.store.finish_line(bid, w.idx, ok, line):
+                LINES.labels("ok" if ok else "failed").inc()
         except Exception:  # noqa: BLE001 - not recorded: the line runs again on a later turn
             log.exception("could not record a batch line", extra={"batch": bid})

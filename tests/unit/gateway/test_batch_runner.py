@@ -9,6 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from prometheus_client import REGISTRY
 
 from embedmesh.gateway.batch_runner import BatchRunner
 from embedmesh.gateway.batch_store import BatchStore
@@ -155,6 +156,8 @@ async def test_a_saturated_mesh_is_not_the_lines_fault_it_runs_again(store: Batc
             return 503, b'{"error": {"message": "busy", "code": "overloaded"}}'
         return 200, b'{"id": "x"}'
 
+    before = {k: REGISTRY.get_sample_value("embedmesh_gateway_batch_lines_total", {"outcome": k}) or 0
+              for k in ("ok", "retried")}
     bid = await _batch(store, ["a"])
     runner = BatchRunner(store, flaky, owner="me", unseal=str, poll_s=0.05)
     runner.start()
@@ -163,6 +166,8 @@ async def test_a_saturated_mesh_is_not_the_lines_fault_it_runs_again(store: Batc
     finally:
         await runner.stop()
     assert len(calls) == 2 and got["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    for k in ("ok", "retried"):
+        assert REGISTRY.get_sample_value("embedmesh_gateway_batch_lines_total", {"outcome": k}) == before[k] + 1
 
 
 @pytest.mark.parametrize(("quiet_s", "peak"), [(30.0, 1), (0.0, 3)])
