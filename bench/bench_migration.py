@@ -141,13 +141,15 @@ def _prefill_seconds(mesh: Mesh, positions: int, seed: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--kills", type=int, default=0, help="SIGKILLs, each in a fresh mesh (default 20, --quick 5)")
+    ap.add_argument("--quick", action="store_true", help="5 kills")
     ap.add_argument("--kill-after", type=int, default=10, help="text chunks before the SIGKILL")
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--prompt-len", type=int, default=200, help="prompt positions (words or rows)")
     ap.add_argument("--decode-ms", type=float, default=30.0)
     ap.add_argument("--prefill-ms", type=float, default=2.0, help="per uncached position")
     a = ap.parse_args()
+    a.kills = a.kills or (5 if a.quick else 20)
     env = {"EMBEDMESH_WORKER_MOCKER_DECODE_MS": str(a.decode_ms), "EMBEDMESH_WORKER_MOCKER_DECODE_MS_PER_SEQ": "0",
            "EMBEDMESH_WORKER_MOCKER_PREFILL_MS_PER_TOKEN": str(a.prefill_ms)}
     survived = 0
