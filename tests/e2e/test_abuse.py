@@ -87,7 +87,8 @@ def test_a_message_without_a_key_is_refused_before_the_preprocessor_reads_it(ame
                 call(bomb, timeout=60)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
     grown = _hwm_mib(pid) - before
-    assert grown < 32, f"the preprocessor's peak memory grew by {grown:.0f} MiB for messages it refused"
+    # Well under one message (128 MiB), whatever gRPC's receive buffers take (reading them whole gave +792 MiB).
+    assert grown < 64, f"the preprocessor's peak memory grew by {grown:.0f} MiB for messages it refused"
     assert _complete(amesh, KEY).choices
 
 

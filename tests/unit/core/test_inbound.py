@@ -108,7 +108,9 @@ async def test_an_unauthenticated_message_is_refused_unread_on_a_public_port() -
     caller's 16 MiB message is still read and served."""
     grown, code, keyed = await _peak_growth("public")
     assert code == grpc.StatusCode.UNAUTHENTICATED
-    assert grown < 16, f"the server's peak memory grew by {grown:.0f} MiB for messages it refused unread"
+    # gRPC's own receive buffers (flow-control windows) take some MiB whatever is refused: the bound is well under
+    # one message (128 MiB), where reading any of them whole would land (the control below: > 100; was +677).
+    assert grown < 48, f"the server's peak memory grew by {grown:.0f} MiB for messages it refused unread"
     assert keyed == "alpha"
 
 
