@@ -17,10 +17,12 @@ import grpc
 import openai
 import pytest
 
+from embedmesh.core.wire import varint as _varint
 from embedmesh.gateway import client_caps
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.support.mesh import Mesh, start_mesh
+from tests.support.procmem import hwm_mib as _hwm_mib
 
 pytestmark = pytest.mark.e2e
 
@@ -48,21 +50,6 @@ def _pid_listening(port: int) -> int:
         if b"embedmesh.services.preprocessor.main" in args and str(port).encode() in args:
             return int(pid)
     raise AssertionError(f"no preprocessor process for port {port}")
-
-
-def _hwm_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _complete(amesh: Mesh, key: str = "") -> inference_pb2.CompleteResponse:

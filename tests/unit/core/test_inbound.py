@@ -20,7 +20,9 @@ from embedmesh.core import inbound
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
+from embedmesh.core.wire import varint as _varint
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.procmem import hwm_mib as _hwm_mib
 
 from .conftest import WORKER, ServeEcho
 
@@ -44,26 +46,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _hwm_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def _unknown_field(size: int) -> bytes:

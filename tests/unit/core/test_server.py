@@ -16,7 +16,9 @@ from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
+from embedmesh.core.wire import varint as _varint
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.procmem import rss_mib as _rss_mib
 
 from .conftest import WORKER, ServeEcho
 
@@ -298,11 +300,6 @@ asyncio.run(main())
 """
 
 
-def _rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
 async def test_a_compressed_message_is_refused_before_it_is_inflated_or_the_key_checked() -> None:
     """~130 KB of gzip on the wire, inflating to 128 MiB, sent to a keyed public port with no key: refused at once
     (UNIMPLEMENTED, the compression is named), and the server's memory does not grow by the inflated size — gRPC
@@ -340,11 +337,3 @@ async def test_a_compressed_message_is_refused_before_it_is_inflated_or_the_key_
         proc.wait()
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
