@@ -293,9 +293,16 @@ def create_app(config: GatewayConfig, extra_routes: Sequence[Route | RouteFactor
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.open()
         await batch.open()
+        grpc_server = None
+        if config.grpc_port:  # the Responses API over gRPC, carried out by this app (responses_grpc.py)
+            from embedmesh.gateway import responses_grpc
+
+            grpc_server = await responses_grpc.serve(app, config.host, config.grpc_port, config.max_body_bytes)
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(5)
             await batch.close()
             await gw.close()
 

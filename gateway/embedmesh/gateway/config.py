@@ -85,6 +85,9 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     for ``$EMBEDMESH_CACHE/responses.sqlite3``."""
     responses_ttl_seconds: float = 30 * 24 * 3600.0
     """How long a stored response stays readable (and continuable by ``previous_response_id``), in seconds (> 0)."""
+    grpc_port: int = 0
+    """Port of the Responses API over gRPC (``embedmesh.responses.v1.ResponsesService``, plaintext, on ``host``);
+    0 = not served."""
 
     def __post_init__(self) -> None:
         if self.batch_concurrency < 1 or self.batch_pause_inflight < 0 or self.batch_max_lines < 1 \
@@ -93,6 +96,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
                              "batch_busy_concurrency >= 0")
         if self.batch_max_file_bytes < 1024:
             raise ValueError(f"batch_max_file_bytes must be >= 1024, got {self.batch_max_file_bytes}")
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.preprocessor:
