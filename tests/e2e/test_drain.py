@@ -53,7 +53,9 @@ def test_health_lists_every_service(mesh2: Mesh) -> None:
     body = r.json()
     assert body["status"] == "ok"
     kinds = sorted(s["service"] for s in body["services"])
-    assert kinds == ["embedding-worker", "gateway", "preprocessor", "router", "vector-store", "worker", "worker"]
+    # No "router" entry with one replica: it runs inside the preprocessor (the launcher's default).
+    assert mesh2.extra["router"] == mesh2.preprocessor
+    assert kinds == ["embedding-worker", "gateway", "preprocessor", "vector-store", "worker", "worker"]
     assert all(s["status"] == "serving" for s in body["services"])
     assert {s["model"] for s in body["services"] if s["service"] == "worker"} == {MODEL}
     assert not any(w in r.text for w in mesh2.workers), "health must not name internal addresses"

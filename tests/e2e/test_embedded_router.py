@@ -1,6 +1,6 @@
-"""The KV router inside the preprocessor (``make run ARGS=--embedded-router``): no router process, workers register
-on the preprocessor's port, ``ListWorkers`` answers there, a repeated long prompt sticks to the worker that served
-it, unrelated prompts spread, and the router's metrics are the preprocessor's."""
+"""The KV router inside the preprocessor (``make run``'s default with one router replica): no router process,
+workers register on the preprocessor's port, ``ListWorkers`` answers there, a repeated long prompt sticks to the
+worker that served it, unrelated prompts spread, and the router's metrics are the preprocessor's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[Mesh]:
-    m = start_mesh(workers=2, extra_args=["--embedded-router"])
+    m = start_mesh(workers=2)  # the shipped default
     yield m
     m.stop()
 
@@ -34,7 +34,8 @@ def test_no_router_process_and_workers_register_on_the_preprocessor(mesh: Mesh) 
     assert "preprocessor" in started and "router" not in started, started
     workers = _registered(mesh, 2)
     assert sorted(w.registration.address for w in workers) == sorted(mesh.workers)
-    with grpc.insecure_channel(mesh.extra["router"]) as ch:  # the router's own port: nobody listens
+    assert mesh.extra["router"] == mesh.preprocessor  # the harness points router checks at the preprocessor
+    with grpc.insecure_channel(mesh.extra["router_port"]) as ch:  # the router's own port: nobody listens
         with pytest.raises(grpc.RpcError) as e:
             router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -125,7 +125,7 @@ def start_mesh(
     (``client.pem`` / ``client-key.pem`` hold a mesh client certificate). ``gateway_tls=True`` (with ``tls``)
     serves the REST API over HTTPS too. ``sigint_ignored=True`` starts the launcher with SIGINT ignored, as a
     background job's is."""
-    from embedmesh.launcher import MESH, PORT_FLAGS
+    from embedmesh.launcher import MESH, PORT_FLAGS, parse_args
 
     # Every service deploy/mesh.yaml lists gets a free port through its launcher flag (the workers a run of them).
     singles = [name for name in MESH if name != "worker"]
@@ -146,10 +146,15 @@ def start_mesh(
            *(["--tls", "--tls-dir", tls_dir] if tls_dir else []), *(["--gateway-tls"] if gateway_tls else []),
            *(extra_args or []),
            "--worker-port", str(first), "--workers", str(workers), "--engine", engine]
+    inside = parse_args(cmd[3:]).embedded_router
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, **(env or {})},
                             preexec_fn=ignore_sigint if sigint_ignored else None)  # noqa: PLW1509
-    mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base, "router": f"127.0.0.1:{router}",
+    # "router": where RouterService answers: the router process, or the preprocessor when the router runs inside
+    # it (the launcher's default with one replica); "router_port": the router process's own port either way.
+    mesh = Mesh(proc, gw, pre, ports, log_path, {"metrics_base": metrics_base,
+                                                   "router": f"127.0.0.1:{pre if inside else router}",
+                                                   "router_port": f"127.0.0.1:{router}",
                                                    "embed_worker": f"127.0.0.1:{embed}",
                                                    "vector_store": f"127.0.0.1:{vs}", "tls_dir": tls_dir},
                 "https" if gateway_tls else "http")

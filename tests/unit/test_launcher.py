@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from embedmesh import launcher
+from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.mesh import Mesh, port_bindable, start_mesh
 
@@ -57,7 +58,7 @@ def test_children_die_with_a_sigkilled_launcher() -> None:
     mesh = start_mesh(engine="echo", workers=2)
     try:
         pids = _child_pids(mesh)
-        assert set(pids) == {"router", "worker-0", "worker-1", "preprocessor", "gateway"}
+        assert set(pids) == {"worker-0", "worker-1", "preprocessor", "gateway"}  # the router runs in the preprocessor
         # Each child leads its own session: a terminal's Ctrl-C reaches only the launcher.
         assert all(os.getsid(pid) == pid for pid in pids.values())
         os.kill(mesh.proc.pid, signal.SIGKILL)
@@ -75,7 +76,7 @@ def test_children_die_with_a_sigkilled_launcher() -> None:
 def test_ctrl_c_stops_every_child_and_exits_0() -> None:
     mesh = start_mesh(engine="echo", workers=1)
     pids = list(_child_pids(mesh).values())
-    assert len(pids) == 4
+    assert len(pids) == 3
     assert mesh.stop() == 0  # SIGINT, as Ctrl-C sends it
     assert _wait_gone(pids) == []
     assert "[launcher] stopped" in mesh.log_tail()
@@ -106,7 +107,7 @@ def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored() -> None:
     mesh = start_mesh(engine="echo", workers=1, sigint_ignored=True)
     try:
         pids = _child_pids(mesh)
-        assert set(pids) == {"router", "worker-0", "preprocessor", "gateway"}
+        assert set(pids) == {"worker-0", "preprocessor", "gateway"}
         assert not _ignores_sigint(mesh.proc.pid)
         assert [name for name, pid in pids.items() if _ignores_sigint(pid)] == []
     finally:
@@ -115,7 +116,7 @@ def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored() -> None:
     assert _wait_gone(list(pids.values())) == []
     log = mesh.log_tail(1_000_000)
     assert "[launcher] stopped" in log
-    assert _stopped_services(log) == {"router", "worker", "preprocessor", "gateway"}
+    assert _stopped_services(log) == {"worker", "preprocessor", "gateway"}
 
 
 def test_the_launcher_handles_both_stop_signals_whatever_it_inherited() -> None:
@@ -142,11 +143,12 @@ def _args(*argv: str) -> argparse.Namespace:
     return launcher.parse_args(list(argv))
 
 
-@pytest.mark.parametrize("tls, holders", [
-    (False, {"router", "worker-0", "embed-worker", "preprocessor", "vector-store"}),  # the only credential inside
-    (True, {"preprocessor", "vector-store"}),  # certificates inside; the token only on the public port
+@pytest.mark.parametrize("tls, extra, holders", [
+    (False, [], {"worker-0", "embed-worker", "preprocessor", "vector-store"}),  # the only credential inside
+    (False, ["--router-process"], {"router", "worker-0", "embed-worker", "preprocessor", "vector-store"}),
+    (True, [], {"preprocessor", "vector-store"}),  # certificates inside; the token only on the public port
 ])
-def test_the_mesh_token_goes_only_to_the_services_that_use_it(tls: bool, holders: set[str],
+def test_the_mesh_token_goes_only_to_the_services_that_use_it(tls: bool, extra: list[str], holders: set[str],
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:
     """Least privilege: the client-facing gateway never holds the mesh token; with mutual TLS only the two ends of
@@ -160,11 +162,12 @@ def test_the_mesh_token_goes_only_to_the_services_that_use_it(tls: bool, holders
         return _FakeProc()
 
     monkeypatch.setattr(launcher, "_spawn_process", spawn)
-    a = _args(*(["--tls", "--tls-dir", str(tmp_path)] if tls else []))
+    a = _args(*(["--tls", "--tls-dir", str(tmp_path)] if tls else []), *extra)
     env = dict(os.environ)  # as main() starts
     per_child, _ = launcher.security_env(a, env)
     launcher.start_mesh(a, per_child, env)
-    assert set(envs) == {"router", "worker-0", "embed-worker", "preprocessor", "vector-store", "gateway"}
+    assert set(envs) == {*(["router"] if extra or tls else []), "worker-0", "embed-worker", "preprocessor",
+                         "vector-store", "gateway"}
     assert {name for name, e in envs.items() if "EMBEDMESH_MESH_TOKEN" in e} == holders
     assert all(e["EMBEDMESH_MESH_TOKEN"] == env["EMBEDMESH_MESH_TOKEN"] for n, e in envs.items() if n in holders)
     assert all(e["EMBEDMESH_API_KEYS"] for e in envs.values())  # keys still reach everyone that checks them
@@ -182,6 +185,7 @@ def test_a_tls_mesh_serves_and_its_workers_refuse_callers_without_a_mesh_certifi
         with urllib.request.urlopen(f"{mesh.base_url}/health", timeout=10) as r:
             body = json.loads(r.read())
         assert body["status"] == "ok"
+        # With TLS the router stays a process: the preprocessor's public port takes no worker certificate.
         assert {s["service"] for s in body["services"]} == {"gateway", "preprocessor", "worker", "router"}
         ca = (tls_dir / "ca.pem").read_bytes()
         plain = grpc.ssl_channel_credentials(root_certificates=ca)
@@ -193,6 +197,10 @@ def test_a_tls_mesh_serves_and_its_workers_refuse_callers_without_a_mesh_certifi
         with grpc.secure_channel(mesh.workers[0], mutual) as ch:
             info = worker_pb2_grpc.WorkerServiceStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
         assert info.model == "echo"
+        assert mesh.extra["router"] != mesh.preprocessor
+        with grpc.secure_channel(str(mesh.extra["router"]), mutual) as ch:  # registered over mutual TLS
+            workers = router_pb2_grpc.RouterServiceStub(ch).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
+        assert [w.registration.address for w in workers.workers] == mesh.workers
         assert "mutual TLS between services" in mesh.log_tail(100_000)
     finally:
         assert mesh.stop() == 0
@@ -235,7 +243,7 @@ def _arg(args: list[str], flag: str) -> str:
 def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_calls() -> None:
     """deploy/mesh.yaml is the one description: the launcher's default ports are its ports, every service in it
     starts (callees first) with its module, and each caller gets its callees' addresses."""
-    started = _plan(["--workers", "2"])
+    started = _plan(["--workers", "2", "--router-process"])
     by_label = {label: (module, args) for label, module, args in started}
     assert [label for label, _, _ in started] == ["router", "worker-0", "worker-1", "embed-worker", "preprocessor",
                                                  "vector-store", "gateway"]
@@ -309,6 +317,46 @@ def test_router_replicas_take_the_next_ports_and_every_worker_and_preprocessor_g
     routers = ",".join(f"127.0.0.1:{7000 + k}" for k in range(3))
     assert _arg(by_label["worker-1"], "--routers") == routers and _arg(by_label["preprocessor"], "--routers") == routers
     assert "--mode" not in _plan(["--router-replicas", "2"])[0][2]  # kv is the routers' default
+
+
+def test_one_router_replica_runs_inside_the_preprocessor_unless_asked_for_a_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (one preprocessor, one router replica) starts no router process: the preprocessor routes
+    (``--embedded-router``, the router's mode in its EMBEDMESH_ROUTER_MODE) and the workers stream to its port;
+    ``--router-process`` starts the router service as before, and --router-port 0 still means no router."""
+    envs: dict[str, dict[str, str]] = {}
+
+    def spawn(label: str, module: str, args: list[str], env: dict[str, str], python: str = "") -> _FakeProc:
+        envs[label] = env
+        return _FakeProc()
+
+    monkeypatch.delenv("EMBEDMESH_ROUTER_MODE", raising=False)
+    monkeypatch.setattr(launcher, "_spawn_process", spawn)
+    started = _plan(["--workers", "2", "--engine", "mocker", "--router-mode", "round-robin"])
+    by_label = {label: args for label, _, args in started}
+    assert [label for label, _, _ in started] == ["worker-0", "worker-1", "preprocessor", "gateway"]
+    pre = by_label["preprocessor"]
+    assert "--embedded-router" in pre and "--routers" not in pre
+    own = f"127.0.0.1:{launcher.MESH['preprocessor'].port}"
+    assert _arg(by_label["worker-0"], "--routers") == own and _arg(by_label["worker-1"], "--routers") == own
+    a = launcher.parse_args(["--engine", "mocker", "--router-mode", "round-robin"])
+    launcher.start_mesh(a)
+    assert envs["preprocessor"]["EMBEDMESH_ROUTER_MODE"] == "round-robin"
+    assert "EMBEDMESH_ROUTER_MODE" not in envs["worker-0"]
+
+    separate = {label: args for label, _, args in _plan(["--router-process"])}
+    assert "router" in separate and "--embedded-router" not in separate["preprocessor"]
+    assert _arg(separate["preprocessor"], "--routers") == f"127.0.0.1:{launcher.MESH['router'].port}"
+    off = {label: args for label, _, args in _plan(["--router-port", "0"])}
+    assert "router" not in off and "--embedded-router" not in off["preprocessor"]
+    assert "--routers" not in off["preprocessor"] and "--routers" not in off["worker-0"]
+
+
+@pytest.mark.parametrize("argv", [["--embedded-router", "--router-process"],
+                                  ["--embedded-router", "--router-replicas", "2"], ["--embedded-router", "--tls"]])
+def test_the_embedded_router_flag_refuses_a_layout_with_router_processes(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        launcher.parse_args(argv)
 
 
 def test_router_replicas_are_bounded() -> None:
