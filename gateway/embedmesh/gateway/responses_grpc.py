@@ -235,10 +235,56 @@ async def _events(answer: _Answer) -> AsyncIterator[dict[str, Any]]:
                     yield orjson.loads(line[6:])
 
 
+def _parsed(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with its request parsed in the call: bytes that are not the request message (or nest deeper
+    than protobuf reads) are INVALID_ARGUMENT naming ``request``, not gRPC's UNKNOWN."""
+    parse = handler.request_deserializer
+
+    async def read(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as e:  # noqa: BLE001 - DecodeError and friends: the client's bytes, not a bug here
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes sent to {method} are not a "
+                                                                  f"valid protobuf message of its request type "
+                                                                  f"({type(e).__name__})")
+
+    if handler.unary_stream is not None:
+        fn = handler.unary_stream
+
+        async def streamed(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            request = await read(raw, context)
+            async for out in fn(request, context):
+                yield out
+
+        return grpc.unary_stream_rpc_method_handler(streamed, response_serializer=handler.response_serializer)
+    unary = handler.unary_unary
+
+    async def once(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await unary(await read(raw, context), context)
+
+    return grpc.unary_unary_rpc_method_handler(once, response_serializer=handler.response_serializer)
+
+
+class _Registrar:
+    """Stands in for the server while the generated ``add_ResponsesServiceServicer_to_server`` registers: each
+    method handler is registered parsing its own request (``_parsed``)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """The same handlers come to ``add_registered_method_handlers`` too; these are dropped."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        wrapped = {name: _parsed(h, f"/{service}/{name}") for name, h in handlers.items()}
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
+        self.server.add_registered_method_handlers(service, wrapped)
+
+
 async def serve(app: Any, host: str, port: int, max_message_bytes: int) -> grpc.aio.Server:
     """Start ``ResponsesService`` for ``app`` on ``host:port`` (the caller stops it)."""
     server = grpc.aio.server(options=server_options(max_message_bytes))
-    pb_grpc.add_ResponsesServiceServicer_to_server(ResponsesServicer(app), server)
+    pb_grpc.add_ResponsesServiceServicer_to_server(ResponsesServicer(app), _Registrar(server))  # type: ignore[arg-type]
     if not server.add_insecure_port(f"{host}:{port}"):
         raise OSError(f"grpc_port: cannot listen on {host}:{port}")
     await server.start()

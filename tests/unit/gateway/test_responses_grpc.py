@@ -23,6 +23,7 @@ from embedmesh.responses.v1 import responses_pb2_grpc as pb_grpc
 from tests.support.mesh import free_port
 
 SEEN: list[dict[str, Any]] = []
+CHANNEL: list[grpc.aio.Channel] = []
 
 
 async def _create(request: Request) -> Response:
@@ -70,6 +71,7 @@ def _run(check: Any) -> None:
         server = await responses_grpc.serve(APP, "127.0.0.1", free, 1 << 20)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{free}") as ch:
+                CHANNEL[:] = [ch]
                 await check(pb_grpc.ResponsesServiceStub(ch))
         finally:
             await server.stop(0)
@@ -149,5 +151,36 @@ def test_paths_and_paging_reach_the_routes() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.ListInputItems(bad)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field)
+
+    _run(check)
+
+
+def _ld(tag: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field."""
+    n, size = len(payload), b""
+    while True:
+        low, n = n & 0x7F, n >> 7
+        size += bytes([low | (0x80 if n else 0)])
+        if not n:
+            return bytes([tag]) + size + payload
+
+
+def test_bytes_that_are_not_the_request_are_invalid_argument_not_unknown() -> None:
+    nested = b""
+    for _ in range(200):  # Struct{"a": Value{struct_value: ...}} 200 deep: past protobuf's depth limit
+        nested = _ld(0x0A, _ld(0x0A, b"\x01a") + _ld(0x12, _ld(0x2A, nested)))
+
+    async def check(stub: pb_grpc.ResponsesServiceStub) -> None:
+        ch = CHANNEL[0]
+        create = ch.unary_stream("/embedmesh.responses.v1.ResponsesService/CreateResponse")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in create(_ld(0x0A, nested)):
+                pass
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request: ")
+        retrieve = ch.unary_unary("/embedmesh.responses.v1.ResponsesService/RetrieveResponse")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await retrieve(b"\xff\xff\xff")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request: ")
+        assert SEEN == []  # nothing reached the routes
 
     _run(check)
