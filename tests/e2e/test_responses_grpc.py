@@ -7,7 +7,9 @@ prompt the worker got."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +22,7 @@ from google.protobuf import json_format, struct_pb2
 
 from embedmesh.responses.v1 import responses_pb2 as pb
 from embedmesh.responses.v1 import responses_pb2_grpc as pb_grpc
+from tests.e2e.test_grpc_api import grpcurl
 from tests.support.mesh import Mesh, free_port, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -193,3 +196,22 @@ def test_bad_ids_and_paging_are_invalid_argument(stub: pb_grpc.ResponsesServiceS
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(field), err.details()
     err = _code(lambda: stub.RetrieveResponse(pb.RetrieveResponseRequest(response_id="a/b?c"), metadata=_key(KA)))
     assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_grpcurl_recipe_of_the_docs(gmesh: Mesh, alpha: openai.OpenAI) -> None:
+    """docs/api.md's grpcurl lines, with the real grpcurl binary and reflection (no .proto files)."""
+    addr = str(gmesh.extra["grpc"])
+    listed = subprocess.run([grpcurl(), "-plaintext", addr, "list"], capture_output=True, text=True, timeout=30)
+    assert "embedmesh.responses.v1.ResponsesService" in listed.stdout.split(), listed.stderr
+    body = {"body": {"model": gmesh.extra["model"], "input": "Hello from grpcurl", "max_output_tokens": 2}}
+    made = subprocess.run([grpcurl(), "-plaintext", "-H", f"authorization: Bearer {KA}", "-d", json.dumps(body), addr,
+                           "embedmesh.responses.v1.ResponsesService/CreateResponse"],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    rid = json.loads(made.stdout)["response"]["id"]
+    assert alpha.responses.retrieve(rid).output_text == "xx"
+    got = subprocess.run([grpcurl(), "-plaintext", "-H", f"authorization: Bearer {KB}", "-d",
+                          json.dumps({"responseId": rid}), addr,
+                          "embedmesh.responses.v1.ResponsesService/RetrieveResponse"],
+                         capture_output=True, text=True, timeout=30)
+    assert got.returncode != 0 and "NotFound" in got.stderr
