@@ -23,7 +23,7 @@ so streamed req/s and CPU are context; TTFT is the compared figure.
 
 If the peer cannot be installed or started, the script says so and still measures the mesh and the floor.
 
-    python bench/bench_peers.py [--quick] [--rounds N] [--mesh-args "--embedded-router"] [--no-install]
+    python bench/bench_peers.py [--quick] [--rounds N] [--mesh-args "--router-process"] [--no-install]
 """
 
 from __future__ import annotations
@@ -517,7 +517,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a third of the requests, 2 rounds (about 2-3 minutes)")
     ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 2 quick, 4 full)")
-    ap.add_argument("--mesh-args", default="", help="extra launcher flags for the mesh, e.g. --embedded-router")
+    ap.add_argument("--mesh-args", default="", help="extra launcher flags for the mesh, e.g. --router-process")
     ap.add_argument("--no-install", action="store_true", help="do not build the peer's venv when it is missing")
     ap.add_argument("--serve-floor", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()

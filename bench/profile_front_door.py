@@ -160,7 +160,7 @@ AB_VARIANTS: list[tuple[str, list[str], dict[str, str], bool]] = [
     ("shipped defaults", [], {}, False),
     ("token-id prompt (no tokenization)", [], {}, True),
     ("EMBEDMESH_TRACING=off", [], {"EMBEDMESH_TRACING": "off"}, False),
-    ("--embedded-router", ["--embedded-router"], {}, False),
+    ("--router-process (the old default)", ["--router-process"], {}, False),
 ]
 """(label, launcher flags, environment, send the prompt as token ids): each a lever switched on its own."""
 

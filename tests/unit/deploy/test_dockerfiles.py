@@ -6,6 +6,7 @@ builds them (scripts/images.sh) and tests/images runs what it built."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tomllib
@@ -72,6 +73,38 @@ def test_services_image_has_no_torch() -> None:
     # It installs embedmesh with its base dependencies only, so those must not pull torch in either.
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in deps if re.match(r"(torch|transformers|vllm|sglang)\b", d)], deps
+
+
+def test_services_image_turns_images_off_by_a_setting_the_preprocessor_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The services image has no torch, so its preprocessor refuses image parts as IMAGES_DISABLED (``--image-encoder
+    off``) instead of failing them as ENCODER_UNAVAILABLE: the variable the Dockerfile sets is the one the
+    preprocessor's config reads, and an image part then gets the 400 naming it."""
+    import asyncio
+
+    from embedmesh.core.embeds import ModelSpec
+    from embedmesh.core.errors import InvalidArgument
+    from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
+    from embedmesh.services.preprocessor.config import PreprocessorConfig
+    from embedmesh.services.preprocessor.main import vision_stage
+    from embedmesh.tensor.v1 import tensor_pb2
+    from embedmesh.vision.stage import ImageSource
+
+    steps = _instructions(DEPLOY / "docker" / "Dockerfile.services")
+    final = steps[[i for i, (word, _) in enumerate(steps) if word == "FROM"][-1]:]
+    env = dict(kv.split("=", 1) for word, arg in final if word == "ENV" for kv in arg.split())
+    for name in [n for n in os.environ if n.startswith("EMBEDMESH_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = PreprocessorConfig.from_args(["--workers", "127.0.0.1:1"])
+    assert config.image_encoder == "off"
+    stage = vision_stage(config, TieredCache(CacheConfig(capacity_bytes=1 << 20)), Path(env["EMBEDMESH_TOKENIZER"]))
+    spec = ModelSpec(hidden_size=576, max_context_tokens=8192, dtype=tensor_pb2.DATA_TYPE_FP32)
+    field = "messages[0].content[0].image_url"
+    with pytest.raises(InvalidArgument) as info:
+        asyncio.run(stage.rows(ImageSource(url="data:image/png;base64,AAAA"), model="m", spec=spec, field=field,
+                               max_tokens=1))
+    assert info.value.reason == "IMAGES_DISABLED" and field in info.value.message
 
 
 def test_worker_images_start_the_worker_with_their_engine() -> None:
