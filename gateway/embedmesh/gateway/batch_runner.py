@@ -15,13 +15,15 @@ Order of work:
   share does the rest for keys whose ``priority`` is ``batch``.
 
 A cancelled batch stops starting lines, cancels those running (their gRPC calls with them), and ends with the
-lines done so far in its files.
+lines done so far in its files. So does a batch whose completion window (24 h from its creation, ``expires_at``)
+ends before its lines do: it ends ``expired``, each line not done in its error file as ``batch_expired``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -69,7 +71,8 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, call: Call, *, owner: str, unseal: Callable[[str], str],
                  concurrency: int = 4, busy: Callable[[], bool] = lambda: False, lease_s: float = 10.0,
-                 slice_lines: int = 64, poll_s: float = 1.0, quiet_s: float = 1.0, busy_concurrency: int = 1) -> None:
+                 slice_lines: int = 64, poll_s: float = 1.0, quiet_s: float = 1.0, busy_concurrency: int = 1,
+                 clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.call = call
         self.owner = owner
@@ -81,6 +84,8 @@ class BatchRunner:
         self.poll_s = poll_s
         self.quiet_s = quiet_s
         self.busy_concurrency = busy_concurrency
+        self.clock = clock
+        """Wall-clock seconds, read against a batch's ``expires_at``."""
         self._busy_at = float("-inf")
         """When interactive traffic was last seen in flight (the loop's clock)."""
         self._wake = asyncio.Event()
@@ -119,8 +124,11 @@ class BatchRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
 
-    async def _serve(self, bid: str, tenant: str, status: str, sealed: str) -> None:
+    async def _serve(self, bid: str, tenant: str, status: str, sealed: str, expires_at: int) -> None:
         """One turn at one batch: start it, run a slice of its lines, or end it."""
+        if status in ("validating", "in_progress") and self.clock() >= expires_at:
+            await self.store.finalize(bid, expired=True)
+            return
         if status == "validating":
             await self.store.start(bid)
         if status in ("cancelling", "finalizing"):
@@ -131,14 +139,16 @@ class BatchRunner:
         if not work:
             await self.store.finalize(bid, cancelled=False)
             return
-        status = await self._slice(bid, self.unseal(sealed), work)
+        status = await self._slice(bid, self.unseal(sealed), work, expires_at)
         if status == "cancelling":
             self._cancelled.discard(bid)
             await self.store.finalize(bid, cancelled=True)
+        elif status == "expired":
+            await self.store.finalize(bid, expired=True)
 
-    async def _slice(self, bid: str, auth: str, work: list[Work]) -> str | None:
-        """Run ``work``; the batch's status at the end (``cancelling`` when cancelled meanwhile), None when the
-        lease was lost."""
+    async def _slice(self, bid: str, auth: str, work: list[Work], expires_at: int) -> str | None:
+        """Run ``work``; the batch's status at the end (``cancelling`` when cancelled meanwhile, ``expired`` when
+        its window ended), None when the lease was lost."""
         status: list[str | None] = ["in_progress"]
         slots = asyncio.Semaphore(self.concurrency)
         running: set[asyncio.Task[None]] = set()
@@ -147,6 +157,8 @@ class BatchRunner:
             while True:
                 await asyncio.sleep(self.lease_s / 3)
                 status[0] = await self.store.renew(bid, self.owner, self.lease_s)
+                if status[0] == "in_progress" and self.clock() >= expires_at:
+                    status[0] = "expired"
                 if status[0] != "in_progress":
                     for t in running:
                         t.cancel()
@@ -155,6 +167,8 @@ class BatchRunner:
         def stopped() -> bool:
             if bid in self._cancelled:
                 status[0] = "cancelling"
+            elif status[0] == "in_progress" and self.clock() >= expires_at:
+                status[0] = "expired"
             return status[0] != "in_progress"
 
         async def watch() -> None:  # interactive traffic seen between line starts counts too (the quiet window)

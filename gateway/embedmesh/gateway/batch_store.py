@@ -45,7 +45,7 @@ _TABLES = (
         completion_window TEXT NOT NULL, status TEXT NOT NULL, metadata TEXT, errors TEXT,
         created_at BIGINT NOT NULL, created_ns BIGINT NOT NULL, in_progress_at BIGINT, finalizing_at BIGINT,
         completed_at BIGINT,
-        failed_at BIGINT, cancelling_at BIGINT, cancelled_at BIGINT, expires_at BIGINT NOT NULL,
+        failed_at BIGINT, cancelling_at BIGINT, cancelled_at BIGINT, expires_at BIGINT NOT NULL, expired_at BIGINT,
         total BIGINT NOT NULL, completed BIGINT NOT NULL DEFAULT 0, failed BIGINT NOT NULL DEFAULT 0,
         output_file_id TEXT, error_file_id TEXT, auth TEXT NOT NULL,
         lease_owner TEXT NOT NULL DEFAULT '', lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
@@ -60,7 +60,7 @@ _TABLES = (
 )
 _BATCH_COLUMNS = ("id, endpoint, input_file_id, completion_window, status, metadata, errors, created_at, "
                   "in_progress_at, finalizing_at, completed_at, failed_at, cancelling_at, cancelled_at, expires_at, "
-                  "total, completed, failed, output_file_id, error_file_id")
+                  "total, completed, failed, output_file_id, error_file_id, expired_at")
 _FILE_COLUMNS = "id, purpose, filename, bytes, created_at"
 
 
@@ -92,12 +92,12 @@ def _file_json(row: Sequence[Any]) -> dict[str, Any]:
 
 def _batch_json(row: Sequence[Any]) -> dict[str, Any]:
     (bid, endpoint, input_file_id, window, status, metadata, errors, created, in_progress, finalizing, completed_at,
-     failed_at, cancelling, cancelled, expires, total, completed, failed, output_id, error_id) = row
+     failed_at, cancelling, cancelled, expires, total, completed, failed, output_id, error_id, expired_at) = row
     return {"id": bid, "object": "batch", "endpoint": endpoint,
             "errors": orjson.loads(errors) if errors else None, "input_file_id": input_file_id,
             "completion_window": window, "status": status, "output_file_id": output_id, "error_file_id": error_id,
             "created_at": created, "in_progress_at": in_progress, "expires_at": expires,
-            "finalizing_at": finalizing, "completed_at": completed_at, "failed_at": failed_at, "expired_at": None,
+            "finalizing_at": finalizing, "completed_at": completed_at, "failed_at": failed_at, "expired_at": expired_at,
             "cancelling_at": cancelling, "cancelled_at": cancelled,
             "request_counts": {"total": int(total), "completed": int(completed), "failed": int(failed)},
             "metadata": orjson.loads(metadata) if metadata else None}
@@ -130,6 +130,10 @@ class BatchStore:
         blob = "BYTEA" if self.postgres else "BLOB"
         for ddl in _TABLES:  # on the opening thread, before the database thread runs anything
             db.execute(ddl.replace("{blob}", blob))
+        if self.postgres:  # a database made before batches expired
+            db.execute("ALTER TABLE batches ADD COLUMN IF NOT EXISTS expired_at BIGINT")
+        elif "expired_at" not in {row[1] for row in db.query("PRAGMA table_info(batches)")}:
+            db.execute("ALTER TABLE batches ADD COLUMN expired_at BIGINT")
         return db
 
     def close(self) -> None:
@@ -239,19 +243,20 @@ class BatchStore:
         return await self.batch(tenant, bid)
 
     # --- the runner's side ---------------------------------------------------------------------------------------
-    async def claim(self, owner: str, lease_s: float) -> tuple[str, str, str, str] | None:
+    async def claim(self, owner: str, lease_s: float) -> tuple[str, str, str, str, int] | None:
         """The active batch served longest ago whose lease is free or already ``owner``'s, leased to ``owner``:
-        (id, tenant, status, sealed auth); None when there is none."""
+        (id, tenant, status, sealed auth, expires_at); None when there is none."""
 
-        def go(db: Database) -> tuple[str, str, str, str] | None:
+        def go(db: Database) -> tuple[str, str, str, str, int] | None:
             now = time.time()
-            for bid, tenant, status, auth in db.query(
-                    "SELECT id, tenant, status, auth FROM batches WHERE status IN (?, ?, ?, ?) AND (lease_owner = ? "
-                    "OR lease_until < ?) ORDER BY served_at, created_ns LIMIT 8", (*ACTIVE, owner, now)):
+            for bid, tenant, status, auth, expires in db.query(
+                    "SELECT id, tenant, status, auth, expires_at FROM batches WHERE status IN (?, ?, ?, ?) AND "
+                    "(lease_owner = ? OR lease_until < ?) ORDER BY served_at, created_ns LIMIT 8",
+                    (*ACTIVE, owner, now)):
                 if db.execute("UPDATE batches SET lease_owner = ?, lease_until = ?, served_at = ? WHERE id = ? AND "
                               "(lease_owner = ? OR lease_until < ?)",
                               (owner, now + lease_s, now, bid, owner, now)):
-                    return bid, tenant, status, auth
+                    return bid, tenant, status, auth, int(expires)
             return None
 
         return await self._run(lambda: go(self._db))  # type: ignore[arg-type]
@@ -298,9 +303,11 @@ class BatchStore:
 
         return await self._run(lambda: go(self._db))  # type: ignore[arg-type]
 
-    async def finalize(self, bid: str, cancelled: bool) -> None:
-        """Write the output and error files from the recorded lines (file order) and end the batch: completed, or
-        cancelled. One transaction: run twice (a restart in between), it writes them once."""
+    async def finalize(self, bid: str, cancelled: bool = False, expired: bool = False) -> None:
+        """Write the output and error files from the recorded lines (file order) and end the batch: completed,
+        cancelled, or expired (its completion window ended first: each line not done yet goes to the error file as
+        OpenAI writes an expired request, ``batch_expired``, and counts as failed). One transaction: run twice (a
+        restart in between), it writes them once."""
 
         def go(db: Database) -> None:
             now = int(time.time())
@@ -310,6 +317,8 @@ class BatchStore:
                     return
                 tenant = row[0]
                 db.execute("UPDATE batches SET finalizing_at = ? WHERE id = ?", (now, bid))
+                if expired:
+                    _expire_lines(db, bid)
                 ids: dict[int, str | None] = {}
                 for ok in (1, 0):
                     results = [bytes(r[0]) for r in db.query(
@@ -323,8 +332,22 @@ class BatchStore:
                                    "created_ns, content) VALUES (?, ?, 'batch_output', ?, ?, ?, ?, ?)",
                                    (fid, tenant, f"{bid}_{'output' if ok else 'error'}.jsonl", len(content), now,
                                     time.time_ns(), content))
-                status, at = ("cancelled", "cancelled_at") if cancelled else ("completed", "completed_at")
+                status, at = (("expired", "expired_at") if expired else ("cancelled", "cancelled_at") if cancelled
+                              else ("completed", "completed_at"))
                 db.execute(f"UPDATE batches SET status = ?, {at} = ?, output_file_id = ?, error_file_id = ?, "
                            "lease_until = 0 WHERE id = ?", (status, now, ids[1], ids[0], bid))
 
         await self._run(lambda: go(self._db))  # type: ignore[arg-type]
+
+
+_EXPIRED = {"code": "batch_expired", "message": "This request could not be executed before the completion window "
+                                                "expired."}
+
+
+def _expire_lines(db: Database, bid: str) -> None:
+    """Every line of ``bid`` not done yet: done, failed, with OpenAI's error-file line of an expired request."""
+    rows = db.query("SELECT idx, custom_id FROM batch_lines WHERE batch_id = ? AND done = 0", (bid,))
+    db.executemany("UPDATE batch_lines SET done = 1, ok = 0, result = ? WHERE batch_id = ? AND idx = ? AND done = 0",
+                   [(orjson.dumps({"id": new_id("batch_req_"), "custom_id": cid, "response": None,
+                                   "error": _EXPIRED}), bid, idx) for idx, cid in rows])
+    db.execute("UPDATE batches SET failed = failed + ? WHERE id = ?", (len(rows), bid))

@@ -4,6 +4,7 @@ first, OpenAI's output lines, a stop and a new runner that runs only what was no
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -204,3 +205,67 @@ async def test_traffic_seen_while_every_slot_is_taken_still_holds_the_next_line(
         assert engine.seen == ["a", "b"]
     finally:
         await runner.stop()
+
+
+class Clock:
+    """Wall-clock time the test moves forward."""
+
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.shift
+
+
+async def test_a_batch_past_its_24h_window_expires_with_its_unfinished_lines_reported(store: BatchStore) -> None:
+    gate = asyncio.Event()  # never set: lines after the first two hang until cancelled
+
+    class Slow(Engine):
+        async def __call__(self, url: str, body: bytes, authorization: str) -> tuple[int, bytes]:
+            if orjson.loads(body)["prompt"] not in ("p0", "bad1"):
+                self.seen.append(orjson.loads(body)["prompt"])
+                self.running += 1
+                try:
+                    await gate.wait()
+                finally:
+                    self.running -= 1
+            return await super().__call__(url, body, authorization)
+
+    engine, clock = Slow(), Clock()
+    bid = await _batch(store, ["p0", "bad1", "p2", "p3", "p4"])
+    runner = _runner(store, engine, concurrency=3, lease_s=0.3, clock=clock)
+    runner.start()
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await store.batch("t", bid) or {})["request_counts"]["completed"] + \
+                (await store.batch("t", bid) or {})["request_counts"]["failed"] < 2:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        assert (await store.batch("t", bid) or {})["status"] == "in_progress"
+        clock.shift = 24 * 3600  # a day later: the window has ended with p2 running and p3, p4 not started
+        got = await _until(store, bid, "expired")
+    finally:
+        await runner.stop()
+    assert engine.running == 0  # the running line was cancelled
+    assert got["expired_at"] and got["completed_at"] is None
+    assert got["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
+    out = [orjson.loads(x) for x in (await store.file_content("t", got["output_file_id"]) or b"").splitlines()]
+    assert [o["custom_id"] for o in out] == ["id-0"]
+    err = [orjson.loads(x) for x in (await store.file_content("t", got["error_file_id"]) or b"").splitlines()]
+    assert [(e["custom_id"], (e["error"] or {}).get("code")) for e in err] == [
+        ("id-1", "invalid_value"), ("id-2", "batch_expired"), ("id-3", "batch_expired"), ("id-4", "batch_expired")]
+    assert all(e["response"] is None for e in err[1:])
+
+
+async def test_a_batch_claimed_after_its_window_runs_no_line(store: BatchStore) -> None:
+    engine, clock = Engine(), Clock()
+    clock.shift = 24 * 3600 + 1  # the gateway was down for a day
+    bid = await _batch(store, ["a", "b"])
+    runner = _runner(store, engine, clock=clock)
+    runner.start()
+    try:
+        got = await _until(store, bid, "expired")
+    finally:
+        await runner.stop()
+    assert engine.seen == [] and got["in_progress_at"] is None and got["output_file_id"] is None
+    assert got["request_counts"] == {"total": 2, "completed": 0, "failed": 2}

@@ -113,7 +113,8 @@ async def test_cancel_marks_an_unfinished_batch_and_finalize_ends_it_cancelled(s
 async def test_a_lease_keeps_a_second_runner_off_until_it_ends(store: BatchStore) -> None:
     bid = await _batch(store)
     claimed = await store.claim("r1", lease_s=30)
-    assert claimed == (bid, "t1", "validating", "sealed")
+    made = await store.batch("t1", bid)
+    assert made is not None and claimed == (bid, "t1", "validating", "sealed", made["created_at"] + 24 * 3600)
     assert await store.claim("r2", lease_s=30) is None
     assert await store.claim("r1", lease_s=30) is not None  # the same owner (a restarted gateway) takes it back
     f = await store.add_file("t1", "batch", "in.jsonl", b"...")
@@ -126,3 +127,53 @@ async def test_a_lease_keeps_a_second_runner_off_until_it_ends(store: BatchStore
     assert (await store.claim("r2", lease_s=30) or ("",))[0] == bid
     await store.start(bid)
     assert (await store.batch("t1", bid) or {})["status"] == "in_progress"
+
+
+async def test_an_expired_batch_reports_each_unfinished_line_as_openai_does(store: BatchStore) -> None:
+    bid = await _batch(store, refused={2: b'{"refused":"c"}'})
+    assert await store.finish_line(bid, 0, True, b'{"line":"a"}')
+    await store.finalize(bid, expired=True)
+    await store.finalize(bid, expired=True)  # again, as after a restart: nothing more is written
+    got = await store.batch("t1", bid)
+    assert got is not None and got["status"] == "expired" and got["expired_at"] >= got["created_at"]
+    assert got["completed_at"] is None and got["cancelled_at"] is None
+    assert got["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert await store.file_content("t1", got["output_file_id"]) == b'{"line":"a"}\n'
+    by_order = [orjson.loads(x) for x in (await store.file_content("t1", got["error_file_id"]) or b"").splitlines()]
+    assert by_order[1] == {"refused": "c"}  # file order: line b (expired) before line c (refused at once)
+    expired = by_order[0]
+    assert expired["custom_id"] == "b" and expired["response"] is None and expired["id"].startswith("batch_req_")
+    assert expired["error"] == {"code": "batch_expired",
+                                "message": "This request could not be executed before the completion window "
+                                           "expired."}
+    assert await store.claim("r1", lease_s=30) is None  # nothing left to run
+    assert (await store.cancel("t1", bid) or {})["status"] == "expired"  # an ended batch stays as it is
+
+
+async def test_a_database_made_before_batches_expired_gains_the_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as old:  # the batches table as it was before expired_at
+        old.execute("""CREATE TABLE batches (
+            id TEXT PRIMARY KEY, tenant TEXT NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+            completion_window TEXT NOT NULL, status TEXT NOT NULL, metadata TEXT, errors TEXT,
+            created_at BIGINT NOT NULL, created_ns BIGINT NOT NULL, in_progress_at BIGINT, finalizing_at BIGINT,
+            completed_at BIGINT, failed_at BIGINT, cancelling_at BIGINT, cancelled_at BIGINT,
+            expires_at BIGINT NOT NULL, total BIGINT NOT NULL, completed BIGINT NOT NULL DEFAULT 0,
+            failed BIGINT NOT NULL DEFAULT 0, output_file_id TEXT, error_file_id TEXT, auth TEXT NOT NULL,
+            lease_owner TEXT NOT NULL DEFAULT '', lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,
+            served_at DOUBLE PRECISION NOT NULL DEFAULT 0)""")
+    store = BatchStore(str(path))
+    try:
+        bid = await _batch(store)
+        await store.finalize(bid, expired=True)
+        got = await store.batch("t1", bid)
+        assert got is not None and got["status"] == "expired" and got["expired_at"] is not None
+    finally:
+        store.close()
+    again = BatchStore(str(path))  # opened a second time: the column is there already
+    try:
+        assert (await again.batch("t1", bid) or {})["status"] == "expired"
+    finally:
+        again.close()
