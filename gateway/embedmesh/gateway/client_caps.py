@@ -24,7 +24,8 @@ from typing import Any
 
 from embedmesh.core import auth
 
-__all__ = ["ClientCaps", "PIPELINE_DEPTH", "CONNECTIONS_PER_IP", "REQUESTS_PER_IP", "key_is_valid", "address_key"]
+__all__ = ["ClientCaps", "PIPELINE_DEPTH", "CONNECTIONS_PER_IP", "REQUESTS_PER_IP", "key_is_valid", "presented_key",
+           "address_key"]
 
 CONNECTIONS_PER_IP = 64
 REQUESTS_PER_IP = 32
@@ -47,16 +48,21 @@ def address_key(host: str) -> str:
     return str(ip)
 
 
-def key_is_valid(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Whether the request's one ``Authorization`` header carries a key of the key ring (never when keys are off:
+def presented_key(headers: list[tuple[bytes, bytes]]) -> auth.ApiKey | None:
+    """The key of the key ring the request's one ``Authorization`` header carries (never one when keys are off:
     there is nothing to be governed by). Two headers are no key (the route answers 400)."""
     ring = auth.keyring()
     if not ring.enabled:
-        return False
+        return None
     sent = [v for k, v in headers if k == b"authorization"]
     if len(sent) != 1:
-        return False
-    return ring.lookup(auth.bearer_token(sent[0].decode("latin-1"))) is not None
+        return None
+    return ring.lookup(auth.bearer_token(sent[0].decode("latin-1")))
+
+
+def key_is_valid(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request carries a valid key (``presented_key``)."""
+    return presented_key(headers) is not None
 
 
 class ClientCaps:

@@ -17,25 +17,42 @@ header line every 5 s were all still open after 30 s, and a body trickling a byt
 
 Clients without a valid API key are capped per IP address (connections, requests in flight) and per connection
 (pipelined requests): ``client_caps.py``; past a cap, 429 with ``Retry-After`` and the connection closes.
+
+A request with a valid key whose tenant is at its share (requests in flight, requests per second:
+``tenant_admission.py``) is answered 429 with ``Retry-After`` from its headers: no byte of its body is taken in,
+no JSON parsed, no app task started (``_admit_tenant``). What then happens to its body: a small one (a declared
+``Content-Length`` up to ``SKIP_BODY_BYTES``, no ``Expect: 100-continue``) is skipped by the parser and the
+connection stays open for the next request, since a new connection (and its TLS handshake) costs more than 64 KiB
+of parsing; anything else (a big or chunked body, or one the client holds back for ``100 Continue``) gets the
+answer with ``Connection: close`` and the connection closes gently (``_refuse``): skipping it would mean reading
+a body of any size, for nothing, and a client waiting for ``100 Continue`` would never send it at all.
+This is a security rule, not a performance bypass: ``EMBEDMESH_FASTPATH=off`` leaves it on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 import weakref
 from collections import deque
 from http import HTTPStatus
 from typing import Any
 
+import httptools
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.routing import Match
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from embedmesh.core import auth
 from embedmesh.gateway import client_caps
+from embedmesh.gateway.auth import needs_key
 from embedmesh.gateway.client_caps import ClientCaps
 from embedmesh.gateway.errors import ApiError
+from embedmesh.gateway.metrics import REQUESTS
+from embedmesh.gateway.tenant_admission import TenantAdmission
 
 __all__ = ["GatewayHttpProtocol", "MAX_HEADER_BYTES", "LINGER_SECONDS", "LINGER_BYTES", "HEADER_SECONDS",
-           "BODY_SECONDS", "BODY_MIN_BYTES_PER_SECOND"]
+           "BODY_SECONDS", "BODY_MIN_BYTES_PER_SECOND", "SKIP_BODY_BYTES"]
 
 MAX_HEADER_BYTES = 64 * 1024
 """The request line and headers of one request, at most (bytes as received)."""
@@ -48,17 +65,20 @@ BODY_MIN_BYTES_PER_SECOND = 16 * 1024
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 1 << 20
 """After a refusal, the connection is closed once this long has passed or this much more has arrived."""
+SKIP_BODY_BYTES = 64 * 1024
+"""A refused keyed request's body is skipped (the connection kept) when it declares at most this many bytes."""
 
 
-def _error_response(err: ApiError) -> bytes:
-    """``err`` as a whole HTTP/1.1 response (the body every gateway refusal has), on a connection that closes."""
+def _error_response(err: ApiError, close: bool = True) -> bytes:
+    """``err`` as a whole HTTP/1.1 response (the body every gateway refusal has), on a connection that closes
+    unless ``close`` is False."""
     body = orjson.dumps(err.body())
     return b"".join([
         b"HTTP/1.1 %d %s\r\n" % (err.status, HTTPStatus(err.status).phrase.encode()),
         *(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in err.headers().items()),
         b"content-type: application/json\r\n",
         b"content-length: %d\r\n" % len(body),
-        b"connection: close\r\n\r\n",
+        b"connection: close\r\n\r\n" if close else b"\r\n",
         body,
     ])
 
@@ -78,6 +98,45 @@ def _caps_for(protocol: GatewayHttpProtocol) -> ClientCaps:
                           idle=GatewayHttpProtocol._idle, close=GatewayHttpProtocol._evict)
         _CAPS[protocol.server_state] = caps
     return caps
+
+
+class _Tenants:
+    """Per-tenant admission of one uvicorn server, with what it needs of the gateway's settings."""
+
+    def __init__(self, admission: TenantAdmission, metrics_require_key: bool) -> None:
+        self.admission = admission
+        self.metrics_require_key = metrics_require_key
+
+    def admits(self, path: str) -> bool:
+        """Whether the app's admission counts a request for ``path``: every route that needs a key but /metrics."""
+        return path != "/metrics" and needs_key(path, self.metrics_require_key)
+
+
+_TENANTS: weakref.WeakKeyDictionary[Any, _Tenants] = weakref.WeakKeyDictionary()
+
+
+def _tenants_for(protocol: GatewayHttpProtocol) -> _Tenants:
+    tenants = _TENANTS.get(protocol.server_state)
+    if tenants is None:
+        gw = getattr(getattr(protocol.config.app, "state", None), "gateway", None)
+        settings = getattr(gw, "config", None)
+        admission = TenantAdmission(getattr(settings, "max_inflight", 0), getattr(settings, "tenant_share", 1.0))
+        tenants = _Tenants(admission, bool(getattr(settings, "metrics_require_key", False)))
+        _TENANTS[protocol.server_state] = tenants
+    return tenants
+
+
+def _route_of(app: Any, method: str, path: str) -> str | None:
+    """The route of the app that serves ``method path`` (None: the app answers 404/405 without admission); every
+    path is the app's own when it is not a Starlette app."""
+    router = getattr(app, "router", None)
+    if router is None:
+        return path
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    for route in router.routes:
+        if route.matches(scope)[0] is Match.FULL:
+            return str(route.path)
+    return None
 
 
 def _too_many(what: str) -> ApiError:
@@ -119,13 +178,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _ip = ""
     _keyed_only = False  # a connection past its IP's cap: only requests with a valid key are served
     _refusal: ApiError | None = None  # the answer to give when the parser is stopped on purpose
-    _counted: deque[bool]  # per request of this connection not yet answered: counted in the IP's requests
+    _skipping = False  # the request being received was answered from its headers: its body is being skipped
+    _tenants: _Tenants | None = None
+    _counted: deque[tuple[bool, str | None]]
+    """Per request of this connection not yet answered: counted in the IP's requests; the tenant it is counted for."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.logger = _QuietLog(self, self.logger)  # type: ignore[assignment]
         self._counted = deque()
         self._watch(HEADER_SECONDS, self._headers_late)
+        self._tenants = _tenants_for(self)
         if self.client:
             self._ip = client_caps.address_key(self.client[0])
             self._caps = _caps_for(self)
@@ -144,9 +207,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._watch(None)
         if self._caps is not None:
             self._caps.forget(self._ip, self)
-            while self._counted:
-                if self._counted.popleft():
-                    self._caps.release_request(self._ip)
+        while self._counted:
+            self._release(*self._counted.popleft())
+
+    def _release(self, anonymous: bool, tenant: str | None) -> None:
+        """Give back what one answered request held: its IP's request, its tenant's slot."""
+        if anonymous and self._caps is not None:
+            self._caps.release_request(self._ip)
+        if tenant is not None and self._tenants is not None:
+            self._tenants.admission.leave(tenant)
 
     @staticmethod
     def _idle(conn: GatewayHttpProtocol) -> bool:
@@ -165,18 +234,19 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             conn._watch(None)
             conn.transport.close()
 
-    def _admit_request(self) -> None:
-        """At a request's end of headers: a valid key takes its connection out of the caps; a request without one
-        is counted for its IP, or refused (429) past a cap."""
+    def _admit_request(self) -> tuple[bool, auth.ApiKey | None]:
+        """At a request's end of headers: a valid key takes its connection out of the caps (its key is returned);
+        a request without one is counted for its IP (True: release it when answered), or refused (429) past a
+        cap."""
+        if not auth.keyring().enabled:
+            return False, None
+        key = client_caps.presented_key(self.headers)
         caps = self._caps
-        if caps is None or not caps.active:
-            self._counted.append(False)
-            return
-        if client_caps.key_is_valid(self.headers):
-            caps.keyed(self._ip, self)
-            self._keyed_only = False
-            self._counted.append(False)
-            return
+        if key is not None or caps is None:
+            if caps is not None:
+                caps.keyed(self._ip, self)
+                self._keyed_only = False
+            return False, key
         if self._keyed_only:
             self._stop(_too_many("connections"))
         if len(self.pipeline) >= client_caps.PIPELINE_DEPTH:
@@ -184,7 +254,52 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         taken = caps.take_request(self._ip)
         if taken is None:
             self._stop(_too_many("requests in flight"))
-        self._counted.append(bool(taken))
+        return bool(taken), None
+
+    def _admit_tenant(self, key: auth.ApiKey) -> tuple[str | None, ApiError | None]:
+        """A keyed request's tenant admission, from its headers: (the tenant it is counted for, None when not
+        counted; the refusal to answer now, or None). A route the app does not admit (``/health``, ``/metrics``,
+        open routes) is neither counted nor refused; neither is a refusal sent for a request the app would answer
+        404/405, nor for a pipelined one (answers go out in order: the app's own admission refuses it, and the
+        preprocessor applies the rate)."""
+        tenants = self._tenants
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        if tenants is None or not tenants.admits(path):
+            return None, None
+        err = tenants.admission.enter(key)
+        if err is None:
+            return key.tenant, None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return None, None
+        route = _route_of(self.config.app, self.parser.get_method().decode("latin-1"), path)
+        if route is None:
+            return None, None
+        REQUESTS.labels(route, str(err.status)).inc()
+        return None, err
+
+    def _answer_early(self, err: ApiError) -> None:
+        """Answer a request from its headers, its body unread: skipped when small (the connection stays), else the
+        connection closes (see the module's docstring)."""
+        length = None
+        for name, value in self.headers:
+            if name == b"content-length":
+                length = int(value) if value.isdigit() and length is None else -1
+            elif name == b"transfer-encoding":
+                length = -1
+        small = length is not None and 0 <= length <= SKIP_BODY_BYTES
+        if not small or self.expect_100_continue or not self.parser.should_keep_alive():
+            self._stop(err)
+        self.cycle = RequestResponseCycle(
+            scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=False, default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(), expect_100_continue=False, keep_alive=True,
+            on_response=self.on_response_complete)
+        self.cycle.response_started = self.cycle.response_complete = True  # uvicorn drops the body's bytes
+        self._skipping = bool(length)
+        self.transport.write(_error_response(err, close=False))
+        self.on_response_complete()
 
     def _stop(self, err: ApiError) -> None:
         """Stop the parser; uvicorn then calls ``send_400_response``, which gives ``err``."""
@@ -192,8 +307,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         raise ValueError(err.message)
 
     def on_response_complete(self) -> None:
-        if self._counted and self._counted.popleft() and self._caps is not None:
-            self._caps.release_request(self._ip)
+        if self._counted:
+            self._release(*self._counted.popleft())
         super().on_response_complete()
 
     def _watch(self, seconds: float | None, then: object = None) -> None:
@@ -244,10 +359,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._admit_request()
+        anonymous, key = self._admit_request()
         self._in_headers = False
         self._body_started, self._body_bytes = self.loop.time(), 0
         self._watch(BODY_SECONDS, self._body_late)
+        tenant, err = self._admit_tenant(key) if key is not None else (None, None)
+        self._counted.append((anonymous, tenant))
+        if err is not None:
+            self._answer_early(err)
+            return
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -259,6 +379,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._ended = True
         self._watch(None)
+        if self._skipping:  # answered before its body ended: the connection is idle from now on
+            self._skipping = False
+            if self.timeout_keep_alive_task is None and not self.transport.is_closing():
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
         super().on_message_complete()
 
     def _count(self, n: int) -> None:

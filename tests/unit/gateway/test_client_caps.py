@@ -246,7 +246,8 @@ def test_a_connection_handed_to_a_websocket_protocol_gives_back_what_it_held(key
         caps = proto._caps
         assert caps is not None
         proto.headers = []
-        proto._admit_request()  # a request without a key, counted
+        anonymous, _ = proto._admit_request()  # a request without a key, counted
+        proto._counted.append((anonymous, None))
         held = (dict(caps.anonymous), dict(caps.requests))
         proto.scope = {"method": "GET", "headers": []}  # type: ignore[typeddict-item]
         try:
