@@ -21,17 +21,31 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from embedmesh.gateway.errors import ApiError
 from embedmesh.gateway.metrics import DISCONNECTS
 
-__all__ = ["DONE", "DisconnectWatcher", "EventStream", "event"]
+__all__ = ["CUT_BY_SHUTDOWN", "DONE", "DisconnectWatcher", "EventStream", "event"]
 
 DONE = b"data: [DONE]\n\n"
 _HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+_CUT_SEND_SECONDS = 1.0
+"""How long the last event of a stream cut by shutdown may wait for a client that does not read."""
+
+CUT_BY_SHUTDOWN = ApiError(
+    503, "this gateway is shutting down and ended the stream before it finished; retry the request (another gateway "
+    "replica, or this one once restarted, will serve it)", code="server_shutting_down", type_="server_error",
+    retry_after=1)
+"""The error a stream still open at the end of the gateway's drain grace ends with."""
 
 
 def event(obj: Any) -> bytes:
     """One SSE event carrying a JSON object."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _cut_events(err: ApiError) -> bytes:
+    """Chat and completion streams end a failure with an ``{"error": ...}`` event and ``[DONE]``."""
+    return event(err.body()) + DONE
 
 
 class DisconnectWatcher:
@@ -69,20 +83,25 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], call: grpc.aio.Call, watcher: DisconnectWatcher) -> None:
+    def __init__(self, events: AsyncIterator[bytes], call: grpc.aio.Call, watcher: DisconnectWatcher,
+                 cut: Callable[[ApiError], bytes] = _cut_events) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers(_HEADERS)
         self._events = events
         self._call = call
         self._watcher = watcher
+        self._cut = cut
+        """The stream's last bytes when the server's shutdown cuts it (the route's own error event shape)."""
         self.on_close: list[Callable[[], None]] = []
         """Called once when the stream ends (the app's in-flight gauge hangs here)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         left = False
+        started = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             async for chunk in self._events:
                 if self._watcher.gone:
                     break
@@ -96,6 +115,8 @@ class EventStream(Response):
             # The watcher's call.cancel() makes a pending read raise CancelledError; a real cancellation of this
             # task (server shutdown) must go on propagating.
             if not self._watcher.gone:
+                if started:
+                    await self._end_cut(send)
                 raise
         finally:
             self._watcher.stop()
@@ -106,3 +127,12 @@ class EventStream(Response):
                 await self._events.aclose()  # type: ignore[attr-defined]
             for hook in self.on_close:
                 hook()
+
+    async def _end_cut(self, send: Send) -> None:
+        """The drain grace ran out with this stream open: tell the client to retry, in the route's error shape, and
+        end the body cleanly instead of leaving it a bare transport error. A client that does not read gets its
+        connection closed as before."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_CUT_SEND_SECONDS):
+                await send({"type": "http.response.body", "body": self._cut(CUT_BY_SHUTDOWN), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
