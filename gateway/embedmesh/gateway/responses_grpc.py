@@ -140,8 +140,12 @@ class ResponsesServicer(pb_grpc.ResponsesServiceServicer):
     async def _json(self, context: grpc.aio.ServicerContext, method: str, path: str, query: str = "",
                     body: bytes = b"") -> dict[str, Any]:
         answer, task = await self._request(context, method, path, query, body)
-        data = await _whole(answer)
-        await task
+        try:
+            data = await _whole(answer)
+            await task
+        finally:  # the caller went away (cancel, deadline): so does the request
+            if not task.done():
+                task.cancel()
         return await _checked(context, answer.status, data)
 
     async def CreateResponse(self, request: pb.CreateResponseRequest,  # noqa: N802 (gRPC's method name)

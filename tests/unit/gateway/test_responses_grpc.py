@@ -33,6 +33,15 @@ async def _create(request: Request) -> Response:
     if body.get("model") == "bad":
         err = {"error": {"message": "must be a served model", "param": "model", "type": "invalid_request_error"}}
         return Response(orjson.dumps(err), status_code=400, media_type="application/json")
+    if body.get("stream") == "forever":
+        async def endless() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"data: " + orjson.dumps({"type": "response.output_text.delta"}) + b"\n\n"
+                    await asyncio.sleep(0.01)
+            finally:
+                SEEN.append({"stream": "ended"})
+        return StreamingResponse(endless(), media_type="text/event-stream")
     if body.get("stream"):
         async def events() -> AsyncIterator[bytes]:
             for i, kind in enumerate(("response.created", "response.output_text.delta", "response.completed")):
@@ -182,5 +191,20 @@ def test_bytes_that_are_not_the_request_are_invalid_argument_not_unknown() -> No
             await retrieve(b"\xff\xff\xff")
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request: ")
         assert SEEN == []  # nothing reached the routes
+
+    _run(check)
+
+
+def test_a_caller_that_cancels_a_stream_ends_the_request() -> None:
+    async def check(stub: pb_grpc.ResponsesServiceStub) -> None:
+        call = stub.CreateResponse(pb.CreateResponseRequest(body=_struct({"model": "m", "stream": "forever"})))
+        first = await call.read()
+        assert json_format.MessageToDict(first.event)["type"] == "response.output_text.delta"
+        call.cancel()
+        for _ in range(200):
+            if {"stream": "ended"} in SEEN:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the route's stream kept running after the caller cancelled")
 
     _run(check)
