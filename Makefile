@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
-.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv clean fuzz soak test-plain
+.PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv aiperf-venv clean fuzz soak test-plain
 .PHONY: image-sysdeps images images-default test-images
 
 BUF_VERSION := 1.75.0
@@ -69,6 +69,13 @@ $(DYNAMO_VENV)/.complete: scripts/dynamo_venv.sh
 	PYTHON=$(PYTHON) bash scripts/dynamo_venv.sh
 dynamo-venv: $(DYNAMO_VENV)/.complete
 
+# aiperf 0.13.0 (NVIDIA's benchmark client), which bench/bench_fleet.py drives to replay its mooncake_trace through
+# the mesh, in its own venv keyed by version, outside the checkout and reused (make bench builds it).
+AIPERF_VENV := $(CACHE)/venvs/aiperf-0.13.0
+$(AIPERF_VENV)/.complete: scripts/aiperf_venv.sh
+	PYTHON=$(PYTHON) bash scripts/aiperf_venv.sh
+aiperf-venv: $(AIPERF_VENV)/.complete
+
 # Container images (docs/deployment.md), built by podman from nothing and tagged with pyproject.toml's version (the
 # manifests' tag): `make images` builds all four; `make test` builds the default set (services, worker-hf) and
 # runs tests/images against it. scripts/images.sh holds what is particular to a build host without registry access.
@@ -128,7 +135,7 @@ fuzz: venv model sysdeps
 		tests/unit/gateway/test_fuzz_requests.py tests/e2e/test_openapi.py
 
 # The client process gets the same glibc tuning the launcher gives the services.
-bench: venv model sysdeps
+bench: venv model sysdeps aiperf-venv
 	MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 MALLOC_TOP_PAD_=268435456 \
 	EMBEDMESH_TRACE_CONSOLE=0 $(PY) bench/run_all.py
 

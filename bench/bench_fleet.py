@@ -4,10 +4,10 @@ shared-prefix workload (token-id prompts: ``groups`` prefixes, each request a pr
 two seeded waves — the first request of every group, then the rest) through the router in KV-aware, round-robin
 and random mode, each on a fresh fleet; then KV-aware with 3 router replicas, and the same after one replica is
 SIGKILLed. The KV-aware / round-robin / random comparison is replayed by aiperf (NVIDIA's benchmark client, 0.13.0
-in a venv of its own, ``--aiperf``) as a ``mooncake_trace`` generated here, open loop at ``--rate`` requests/s, when
-that venv exists; otherwise, and for the replica runs, by the project's own light driver (``tests/support/fleet.py``:
-streamed completions through the gateway, httpx, ``--concurrency`` at a time). Hit rate is read from the workers
-(cached / prompt positions).
+in a venv of its own: ``make aiperf-venv``, ``--aiperf``) as a ``mooncake_trace`` generated here, open loop at
+``--rate`` requests/s, when that venv exists; otherwise, and for the replica runs, by the project's own light driver
+(``tests/support/fleet.py``: streamed completions through the gateway, httpx, ``--concurrency`` at a time). Hit
+rate is read from the workers (cached / prompt positions).
 
 The oracle is computed offline from the trace and the cache sizes: every group's prefix is computed once and found
 by every later request of that group (the caches hold every group when groups are spread evenly: checked below), so
@@ -197,7 +197,7 @@ def main() -> None:
                     help="simulated prefill per uncached position: large enough that the workers, not the gateway "
                          "and preprocessor on this machine's cores, bound time to first token")
     ap.add_argument("--aiperf", default=str(AIPERF_VENV),
-                    help="venv with aiperf==0.13.0 (pip install aiperf==0.13.0 in a venv of its own): when it exists, "
+                    help="venv with aiperf==0.13.0 (make aiperf-venv builds it): when it exists, "
                          "aiperf replays the workload as a mooncake trace for the KV-aware / round-robin / random "
                          "comparison; otherwise the light driver does")
     ap.add_argument("--rate", type=float, default=4.0, help="aiperf: requests per second of the trace")
@@ -237,7 +237,7 @@ def main() -> None:
     z = three.hit / runs["kv"].hit if runs["kv"].hit else float("nan")
     drop = max(0.0, (three.hit - killed.hit) / three.hit) if three.hit else float("nan")
     driver = (f"aiperf 0.13.0 (mooncake_trace, fixed schedule at {a.rate:g} requests/s)" if aiperf else
-              f"the light driver ({a.concurrency} in flight; no aiperf venv at {venv})")
+              f"the light driver ({a.concurrency} in flight; no aiperf venv at {venv}: make aiperf-venv)")
     print(f"\nThe KV-aware / round-robin / random rows: {driver}; the replica rows: the light driver.")
     print(f"TTFT counts every request of a run (the first wave is cold under every policy); the after-kill figure "
           f"is the whole workload run right after the SIGKILL (~{killed.seconds:.0f} s), not a 30 s window.")

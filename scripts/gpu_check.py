@@ -95,6 +95,65 @@ async def in_process(a: argparse.Namespace, label: str) -> tuple[Any, dict[int, 
     return engine, figures
 
 
+def forward_alone(a: argparse.Namespace, label: str) -> None:
+    """The model's own decode step (transformers, its KV cache, greedy argmax on the device), no engine: the floor
+    the engine's tokens/s stand beside."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, a.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(a.model_path), dtype=dtype).to(a.device).eval()
+    prompt = AutoTokenizer.from_pretrained(str(a.model_path))(PROMPT, return_tensors="pt").input_ids.to(a.device)
+    steps = min(a.max_tokens, 64)
+    for batch in a.clients:
+        ids = prompt.repeat(batch, 1)
+        with torch.inference_mode():
+            for _pass in ("warm-up", "timed"):
+                out = model(input_ids=ids, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                took = time.perf_counter() - t0
+        print(f"[{label}] forward alone {batch:3d} row(s): {took / steps * 1e3:7.2f} ms/step = "
+              f"{batch * steps / took:9.1f} tokens/s ({a.dtype})", flush=True)
+
+
+def profile_engine(a: argparse.Namespace, label: str) -> None:
+    """The engine thread under cProfile for the in-process runs: where a step's time goes besides the model."""
+    import cProfile
+    import pstats
+
+    from embedmesh.services.worker.engines.hf.engine import HFEngine
+
+    prof = cProfile.Profile()
+    run = HFEngine._run
+
+    def profiled(self: Any) -> None:
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+
+    HFEngine._run = profiled  # type: ignore[method-assign]
+
+    async def go() -> None:
+        engine, _ = await in_process(a, label)
+        await engine.shutdown()
+
+    asyncio.run(go())
+    stats = pstats.Stats(prof)
+    for key in ("tottime", "cumulative"):
+        print(f"[{label}] engine thread, top 25 by {key}:", flush=True)
+        stats.sort_stats(key).print_stats(25)
+
+
 def _stream(base_url: str, model: str, body: dict[str, Any]) -> tuple[str, int]:
     import httpx
 
@@ -205,6 +264,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,32", help="client counts, comma-separated")
     ap.add_argument("--threads", type=int, default=4, help="torch CPU threads")
     ap.add_argument("--model", default="default", help="'default' (SmolLM2 from its PyPI package) or a local folder")
+    ap.add_argument("--profile", action="store_true",
+                    help="diagnose instead: the model's decode step alone, then the engine thread under cProfile")
     ap.add_argument("--record", metavar="LOG", help="write a device run's log into docs/benchmarks.md (alone)")
     ap.add_argument("--random-weights", action="store_true",
                     help="the model's config and tokenizer with seeded random weights (speed figures only)")
@@ -217,6 +278,10 @@ def main() -> None:
     label = device_name(a.device)
     print(f"[{label}] gpu_check: hf engine, {a.dtype}, {a.max_tokens} tokens per stream, clients {a.clients}",
           flush=True)
+    if a.profile:
+        forward_alone(a, label)
+        profile_engine(a, label)
+        return
     engine, local = asyncio.run(in_process(a, label))
     mesh = through_mesh(a, label, engine)
     for clients in a.clients:

@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh --dry-run    the same steps on the CPU with tiny settings (no GPU needed)
 #   --model DIR                       serve a local Hugging Face folder instead of the default model
 #   --random-weights                  DIR's config and tokenizer with seeded random weights (speed figures only)
+#   --profile                         diagnose: the model's decode step alone, then the engine thread under cProfile
 #
 # PYTHON picks the interpreter (default: python3). The project is installed into it from this checkout
 # (pip install --no-deps --no-build-isolation -e .) unless it already imports from here; when that install cannot
@@ -24,8 +25,9 @@ while [ $# -gt 0 ]; do
              [ -f "$2/config.json" ] || { echo "gpu_check: --model $2 holds no config.json" >&2; exit 2; }
              MODEL+=(--model "$(cd "$2" && pwd -P)"); shift ;;
     --random-weights) MODEL+=(--random-weights) ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "gpu_check: unknown argument $1 (use --dry-run, --model DIR, --random-weights)" >&2; exit 2 ;;
+    --profile) MODEL+=(--profile) ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (use --dry-run, --model DIR, --random-weights, --profile)" >&2; exit 2 ;;
   esac
   shift
 done
