@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
+from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
@@ -282,7 +283,8 @@ async def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, p
     the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its principal;
     returns the request to hand on."""
     if one:
-        request = await inbound.first_message(request, method)
+        request = await (inbound.open_message(request, method, context.peer()) if authz and authz.access is Access.OPEN
+                         else inbound.first_message(request, method))
     if streaming_in:
         request = inbound.checked_stream(request, method)
     elif isinstance(request, inbound.BadMessage):
@@ -379,7 +381,8 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
     one = read_after_auth and authz is not None
     kw = dict(
         request_deserializer=inbound.safe_deserializer(
-            wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method),
+            wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method,
+            max_bytes=inbound.OPEN_MESSAGE_BYTES if one and access is Access.OPEN else 0),
         response_serializer=handler.response_serializer,
     )
     if handler.unary_unary:
@@ -393,6 +396,8 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
             if one:
                 return grpc.stream_stream_rpc_method_handler(_wrap_stream(fn, method, authz, one=True), **kw)
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(fn, method, authz), **kw)
+        if one and inspect.iscoroutinefunction(fn):  # writes its answers with context.write (health's Watch)
+            return grpc.stream_stream_rpc_method_handler(_wrap_unary(fn, method, authz, one=True), **kw)
         return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
@@ -451,7 +456,12 @@ class Server:
         # No server interceptor: every method is wrapped once when its service is added (``wrap_handler``).
         self._server = grpc.aio.server(options=server_options(options.max_message_bytes))
         self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        if options.public:  # open to probes; at most two messages read at once per address (core/inbound.py)
+            self._access[health.SERVICE_NAME] = Access.OPEN
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, _Registrar(self._server, self._access_for,
+                                                                                 False, read_after_auth=True))
+        else:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._service_names: list[str] = []
         self.port = 0
         self._stopped = asyncio.Event()
@@ -498,7 +508,12 @@ class Server:
 
     async def start(self) -> None:
         names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self._server)
+        if self.options.public:  # described to authenticated callers only, read after the key (core/inbound.py)
+            self._access[reflection.SERVICE_NAME] = Access.PUBLIC
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+                AsyncReflection(names), _Registrar(self._server, self._access_for, False, read_after_auth=True))
+        else:
+            reflection.enable_server_reflection(names, self._server)
         creds = tls.current().server_credentials(require_client_cert=self._require_client_cert)
         bind = f"{self.options.host}:{self.options.port}"
         if creds is not None:

@@ -6,6 +6,7 @@ at once instead of being read for the drain's 10 s."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -174,3 +175,120 @@ def test_a_unary_call_that_ends_without_its_message_is_invalid_argument() -> Non
     with pytest.raises(InvalidArgument) as info:
         asyncio.run(inbound.first_message(empty(), "/x.Y/Z"))
     assert info.value.field == "request" and info.value.reason == "MISSING_MESSAGE"
+
+
+_HEALTH = "/grpc.health.v1.Health/Check"
+_REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+
+
+async def _open_services_growth(kind: str) -> tuple[float, float, set[grpc.StatusCode], str, list[str]]:
+    """A keyed server (``kind``: "public" or "internal") in its own process, called with no key: 16 16 MiB health
+    checks at once from one address, then three 128 MiB reflection requests. Returns the growth of the server's
+    peak RSS over each (MiB), the statuses of the health checks and of a small reflection call without a key, a
+    probe-sized check's answer (no key) and the services a keyed reflection call lists."""
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", _PUBLIC_SERVER, here, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        opts = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
+            check = ch.unary_unary(_HEALTH, request_serializer=lambda b: b,
+                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            probe = await check(health_pb2.HealthCheckRequest(service="").SerializeToString(), timeout=30)
+            before = _hwm_mib(proc.pid)
+            payload = _unknown_field(16 << 20)
+            codes: set[grpc.StatusCode] = set()
+
+            async def one() -> None:
+                try:
+                    await check(payload, timeout=60)
+                except grpc.aio.AioRpcError as e:
+                    codes.add(e.code())
+
+            await asyncio.gather(*(one() for _ in range(16)))
+            health_grown = _hwm_mib(proc.pid) - before
+            payload = b""
+            info = ch.stream_stream(_REFLECTION, request_serializer=lambda b: b,
+                                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            before = _hwm_mib(proc.pid)
+            big = _unknown_field(128 << 20)
+            for _ in range(3):
+                # Refused without a key on the public port (while the client still writes, which it may see as
+                # its own error); answered with an error message on the other. Either way, the memory counts.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    _ = [r async for r in info(iter([big, big]), timeout=60)]
+            reflection_grown = _hwm_mib(proc.pid) - before
+            big = b""
+            ask = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+            try:
+                _ = [r async for r in info(iter([ask]), timeout=30)]
+                codes.add(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as e:
+                codes.add(e.code())
+            listed = [r async for r in info(iter([ask]), metadata=(("authorization", "Bearer ka-12345678"),),
+                                            timeout=30)]
+            names = [s.name for s in listed[0].list_services_response.service]
+            return health_grown, reflection_grown, codes, health_pb2.HealthCheckResponse.ServingStatus.Name(
+                probe.status), names
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_health_and_reflection_bound_what_a_caller_without_a_key_makes_a_public_port_read() -> None:
+    """Health stays open (probes carry no key), but from one address at most two of its messages are read at once
+    (the others are refused at once, unread) and one over 4 KiB is refused before it is parsed: 16 checks of 16 MiB
+    at once grow the server's peak by a few messages' worth (the control below reads them all at once).
+    Reflection is read only after the key: 128 MiB requests without one are refused unread. A probe's check and a
+    keyed reflection call are served as before."""
+    health_grown, reflection_grown, codes, probe, names = await _open_services_growth("public")
+    # refused over 4 KiB when read, or unread when two from this address are being read; reflection: no key
+    assert {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED} <= codes <= {
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED}, codes
+    # 99-131 MiB measured here (16 messages: 256 MiB); the control below, reading them all at once: 483-521
+    assert health_grown < 200, f"16 health checks of 16 MiB grew the peak by {health_grown:.0f} MiB"
+    assert reflection_grown < 48, f"refused reflection requests grew the peak by {reflection_grown:.0f} MiB"
+    assert probe == "NOT_SERVING"  # answered without a key (the server has not been marked serving)
+    assert "grpc.health.v1.Health" in names and WORKER in names
+
+
+async def test_an_internal_port_reads_open_services_whole_and_at_once() -> None:
+    """The control: on an internal port health and reflection are gRPC's own handlers (there the handshake asks for
+    a mesh certificate): the same calls grow the peak by several messages."""
+    health_grown, reflection_grown, codes, probe, _ = await _open_services_growth("internal")
+    assert health_grown > 300, health_grown  # each read whole (about 3x its size in memory), many at once
+    assert reflection_grown > 100, reflection_grown
+
+
+async def test_a_health_watch_on_a_public_port_streams_without_a_key(serve_echo: ServeEcho, keys: None) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = await serve_echo(Access.PUBLIC, public=True)
+    ch = insecure_channel(server.address)
+    try:
+        stub = health_pb2_grpc.HealthStub(ch)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        first = await call.read()
+        await server.set_serving(True)
+        second = await call.read()
+        call.cancel()
+        assert (first.status, second.status) == (health_pb2.HealthCheckResponse.NOT_SERVING,
+                                                 health_pb2.HealthCheckResponse.SERVING)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await ch.close()
+        await server.drain()
+
+
+def test_open_reads_are_counted_per_address() -> None:
+    assert inbound.peer_address("ipv4:10.1.2.3:5555") == "10.1.2.3"
+    assert inbound.peer_address("ipv6:[2001:db8::1]:443") == inbound.peer_address("ipv6:[2001:db8::ffff]:80") \
+        == "2001:db8::/64"
+    assert inbound.peer_address("ipv6:[::ffff:10.0.0.1]:9") == "10.0.0.1"
+    assert inbound.peer_address("unix:/tmp/s") == "unix:/tmp/s"
