@@ -1,6 +1,7 @@
 """The ``hf`` engine: a transformers causal LM on the CPU with continuous batching (``engine.py``: the engine thread's
 loop; ``scheduler.py``, ``runner.py``, ``sampler.py``, ``lora.py`` and ``sequence.py`` its parts), per-row logits
-processors (``logits.py``), incremental detokenization (``detok.py``), its options (``config.py``)."""
+processors (``logits.py``), incremental detokenization (``detok.py``), the prefix cache (``prefix_cache.py``,
+``kv_blocks.py``), its options (``config.py``)."""
 
 from __future__ import annotations
 
@@ -21,4 +22,5 @@ def build(context: EngineContext) -> Engine:
     o = context.options_as(HFOptions)
     path = resolve_model_path(context.model)
     return HFEngine(HFEngineConfig(path, context.name_to_serve(path.name, DEFAULT_MODEL), o.max_batch_size,
-                                   o.threads, o.dtype, o.hf_device))
+                                   o.threads, o.dtype, o.hf_device, context.block_size,
+                                   o.hf_prefix_cache_blocks))

@@ -27,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable
+from embedmesh.core.kv_events import KvEvent
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import (
     Engine,
@@ -38,10 +39,13 @@ from embedmesh.services.worker.engines.base import (
     EngineStats,
     GenerationDelta,
     GenerationRequest,
+    KvEventSource,
     ModelInfo,
 )
 from embedmesh.services.worker.engines.hf.detok import IncrementalDetokenizer
+from embedmesh.services.worker.engines.hf.kv_blocks import PrefixReuse
 from embedmesh.services.worker.engines.hf.lora import LoraAdapters
+from embedmesh.services.worker.engines.hf.prefix_cache import PrefixCache
 from embedmesh.services.worker.engines.hf.runner import HFEngineConfig, ModelRunner
 from embedmesh.services.worker.engines.hf.sampler import GREEDY_BELOW, Sampler
 from embedmesh.services.worker.engines.hf.scheduler import Scheduler
@@ -53,7 +57,7 @@ __all__ = ["HFEngine", "HFEngineConfig", "GREEDY_BELOW"]
 log = get_logger(__name__)
 
 
-class HFEngine(Engine):
+class HFEngine(Engine, KvEventSource):
     """transformers on the CPU; see the module docstring for the batching scheme."""
 
     resumes = True
@@ -80,6 +84,11 @@ class HFEngine(Engine):
         """Sequences the engine thread holds (being prefilled or decoded)."""
         self._stopping = False
         self._texts: dict[int, str] = {}
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_size, self._publish)
+        """KV blocks of earlier prompts (``prefix_cache.py``); capacity 0 = off."""
+        self._reuse: PrefixReuse | None = None
+        self._kv_listeners: list[Callable[[list[KvEvent]], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # The loaded model's parts (the peft model once an adapter is loaded).
     @property
@@ -96,7 +105,9 @@ class HFEngine(Engine):
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._runner.load, self._tick)
+        self._reuse = PrefixReuse(self.prefix_cache, self._runner.torch)
         self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
         self._thread.start()
 
@@ -216,8 +227,12 @@ class HFEngine(Engine):
         return await self._lora.load(name, path)
 
     async def unload_lora(self, name: str) -> bool:
-        """Refuse new requests for ``name`` at once; let running ones finish; then free it."""
-        return await self._lora.unload(name)
+        """Refuse new requests for ``name`` at once; let running ones finish; then free it and the prefix cache's
+        blocks computed under it (an adapter loaded later under that name may hold other weights)."""
+        unloaded = await self._lora.unload(name)
+        if unloaded:
+            self.prefix_cache.drop_adapter(name)
+        return unloaded
 
     async def list_loras(self) -> dict[str, str]:
         return self._lora.loaded()
@@ -227,6 +242,49 @@ class HFEngine(Engine):
 
     def _adapter_in_use(self, name: str) -> bool:
         return any(s.request.lora_adapter == name and not s.done for s in self._scheduler.by_id.values())
+
+    # --- prefix cache and its KV events (``prefix_cache.py``) --------------------------------------------------
+    async def clear_kv_blocks(self) -> bool:
+        """Drop every block of the prefix cache (published as cleared); the engine keeps no other KV between
+        requests. Without a prefix cache there is nothing to clear (FAILED_PRECONDITION, as before)."""
+        if not self.prefix_cache.enabled:
+            raise NotImplementedError
+        return self.prefix_cache.clear()
+
+    def kv_event_source(self) -> KvEventSource | None:
+        """This engine while its prefix cache is on: the routers then index what it really holds."""
+        return self if self.prefix_cache.enabled else None
+
+    def on_kv_events(self, listener: Callable[[list[KvEvent]], None]) -> None:
+        self._kv_listeners.append(listener)
+
+    def kv_snapshot(self) -> list[KvEvent]:
+        return self.prefix_cache.snapshot()
+
+    def _publish(self, events: list[KvEvent]) -> None:
+        """From any thread (the engine thread stores and evicts): the listeners get the events on the event loop,
+        in the order the cache made them."""
+        if self._loop is not None and self._kv_listeners and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver(self, events: list[KvEvent]) -> None:
+        for listener in self._kv_listeners:
+            try:
+                listener(events)
+            except Exception:  # noqa: BLE001 - one failing listener must not stop the others
+                log.exception("KV event listener failed")
+
+    def _keep_blocks(self, cache: Any, mask: Any, rows: list[Seq], finished_only: bool) -> None:
+        """Store what ``rows`` computed in the prefix cache; a failure here turns the cache off (logged) and never
+        fails a request."""
+        if self._reuse is None or not self.prefix_cache.enabled or cache is None:
+            return
+        try:
+            self._reuse.keep(cache, mask, rows, finished_only)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: without it every request still runs
+            log.exception("storing KV blocks failed; the prefix cache is off from now on")
+            self.prefix_cache.clear()
+            self.prefix_cache.capacity = 0
 
     # --- engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -306,29 +364,34 @@ class HFEngine(Engine):
     def _drop_finished(self, cache: Any, mask: Any, rows: list[Seq]) -> tuple[Any, Any, list[Seq]]:
         for s in rows:
             self._scheduler.abort_if_needed(s)
+        if any(s.done for s in rows):
+            self._keep_blocks(cache, mask, rows, finished_only=True)
         return self._runner.drop(cache, mask, rows)
 
     def _prefill(self, new: list[Seq]) -> tuple[Any, Any, list[Seq]] | None:
         """Prefill ``new`` together and sample each one's first token: (cache, mask, sequences) to merge into the
         running batch, or None when none of them could start. A sequence whose prompt cannot be built fails alone."""
-        embeds, ready = [], []
+        embeds, ready, pasts = [], [], []
         for s in new:
             try:
                 e = self._runner.prompt_embeds(s)
                 self._sampler.prepare(s)
+                past = self._reuse.find(s, e.shape[0]) if self._reuse is not None else []
             except Exception as err:  # noqa: BLE001 - this sequence alone
                 log.exception("building the prompt failed", extra={"request_id": s.request.request_id})
                 s.fail(err)
                 continue
             embeds.append(e)
             ready.append(s)
+            pasts.append(past)
         if not ready:
             return None
-        out = self._runner.prefill(embeds, ready, self._lora.net(), self._lora.forward_args(ready))
+        out = self._runner.prefill(embeds, ready, self._lora.net(), self._lora.forward_args(ready), pasts)
         for i, s in enumerate(ready):
             if s.request.sampling.prompt_logprobs is not None:
                 self._sampler.score_prompt(s, out.logits[i, out.length - s.position:].float().cpu(), s.position)
         self._sample_rows(out.logits[:, -1, :].float(), ready)
+        self._keep_blocks(out.cache, out.mask, ready, finished_only=False)
         # Rows that failed stay until ``_drop_finished``: cache rows and sequences stay aligned.
         return out.cache, out.mask, ready
 

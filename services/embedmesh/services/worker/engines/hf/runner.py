@@ -1,5 +1,6 @@
-"""The hf engine's forward passes (on the CPU, or a CUDA device with ``device``): the model loaded, prompts turned into embeddings, a prefill of new sequences
-together, one decode step of the running batch, and the batch's KV cache (new rows merged in, ended rows dropped).
+"""The hf engine's forward passes (on the CPU, or a CUDA device with ``device``): the model loaded, prompts turned
+into embeddings, a prefill of new sequences together (after their cached prefixes, ``kv_blocks.py``), one decode step
+of the running batch, and the batch's KV cache (new rows merged in, ended rows dropped).
 It returns logits; choosing tokens from them is ``sampler.py``'s.
 
 Batch invariants (kept by ``merge`` and ``drop``):
@@ -42,6 +43,10 @@ class HFEngineConfig:
     device: str = "cpu"
     """Where the model runs: "cpu", or a torch CUDA device ("cuda", "cuda:1"). Sampling stays on the CPU (a
     step's last logits are copied back, one row per sequence)."""
+    block_size: int = 16
+    """Positions per KV block: the worker's --block-size, the one the router hashes prompts with."""
+    prefix_cache_blocks: int = 0
+    """Blocks the prefix cache keeps (``prefix_cache.py``); 0 = off."""
 
 
 @dataclass
@@ -134,11 +139,22 @@ class ModelRunner:
             parts.append(self.embed(torch.tensor(s.request.resumed, dtype=torch.long, device=self.device)))
         return torch.cat(parts, dim=0)
 
-    def prefill(self, embeds: list[Any], ready: list[Seq], net: Any, forward_args: dict[str, Any]) -> Prefill:
-        """Prefill ``ready`` together (left-padded ``inputs_embeds``, a fresh cache); sets each one's position."""
+    def prefill(self, embeds: list[Any], ready: list[Seq], net: Any, forward_args: dict[str, Any],
+                pasts: list[list[Any]] | None = None) -> Prefill:
+        """Prefill ``ready`` together (left-padded ``inputs_embeds``); sets each one's position. ``pasts``: each
+        row's cached prefix blocks (``kv_blocks.py``); a row with some runs only the positions after them, against
+        a cache that starts with them. Without any, the cache starts empty."""
         torch = self.torch
         from transformers import DynamicCache
 
+        offsets = [0] * len(ready)
+        if pasts and any(pasts):
+            from embedmesh.services.worker.engines.hf.kv_blocks import build_past
+
+            new_cache, past_mask, offsets = build_past(torch, pasts, self.device)
+            embeds = [e[offsets[i]:] for i, e in enumerate(embeds)]
+        else:
+            new_cache, past_mask = DynamicCache(), None
         length = max(e.shape[0] for e in embeds)
         hidden = embeds[0].shape[1]
         batch = torch.zeros(len(ready), length, hidden, dtype=self.dtype, device=self.device)
@@ -147,14 +163,16 @@ class ModelRunner:
             batch[i, length - e.shape[0]:] = e
             new_mask[i, length - e.shape[0]:] = 1
         positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
-        new_cache = DynamicCache()
+        if past_mask is not None:
+            positions = positions + torch.tensor(offsets, dtype=torch.long, device=self.device)[:, None]
+            new_mask = torch.cat([past_mask, new_mask], dim=1)
         scored = any(s.request.sampling.prompt_logprobs is not None for s in ready)
         out = net(
             inputs_embeds=batch, attention_mask=new_mask, position_ids=positions, past_key_values=new_cache,
             use_cache=True, logits_to_keep=0 if scored else 1, **forward_args,
         )
         for i, s in enumerate(ready):
-            s.position = embeds[i].shape[0]
+            s.position = offsets[i] + embeds[i].shape[0]
         return Prefill(new_cache, new_mask, ready, out.logits, length)
 
     def decode(self, cache: Any, mask: Any, rows: list[Seq], net: Any, forward_args: dict[str, Any]

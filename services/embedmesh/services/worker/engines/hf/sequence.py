@@ -37,6 +37,16 @@ class Seq:
     """Generated token -> times (frequency/presence penalties)."""
     matcher: Any = None
     """The grammar matcher of a structured-output request (``core/structured.py``)."""
+    cache_on: bool = False
+    """The prefix cache was on when this sequence was admitted (only then does it store blocks)."""
+    hashes: list[int] = field(default_factory=list)
+    """The block hashes of the prompt and resumed tokens, when the prefix cache is on (``prefix_cache.py``)."""
+    prompt_positions: int = 0
+    """Positions prefilled as the prompt (its resumed tokens included)."""
+    stored_blocks: int = 0
+    """Leading full blocks of this sequence the prefix cache holds (found there, or stored from it)."""
+    failed: bool = False
+    """Ended by an error: its KV cache may hold anything, so none of it is stored."""
 
     def emit(self, item: GenerationDelta | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -46,6 +56,7 @@ class Seq:
         if self.done:
             return
         self.done = True
+        self.failed = True
         if not isinstance(e, EmbedmeshError):
             e = InternalError("the model failed while generating this request; it was logged on the worker")
         self.emit(e)

@@ -18,7 +18,8 @@ from embedmesh.services.worker.engines.registry import engine_context
 def test_the_default_model_under_its_own_name() -> None:
     engine = build(engine_context(WorkerConfig.from_args([])))
     assert isinstance(engine, HFEngine)
-    assert engine.config == HFEngineConfig(resolve_model_path("default"), DEFAULT_MODEL, 8, 2, "float32")
+    assert engine.config == HFEngineConfig(resolve_model_path("default"), DEFAULT_MODEL, 8, 2, "float32",
+                                           block_size=16, prefix_cache_blocks=256)
 
 
 def test_a_local_folder_served_under_its_name_with_the_options(tmp_path: Path) -> None:
@@ -26,8 +27,9 @@ def test_a_local_folder_served_under_its_name_with_the_options(tmp_path: Path) -
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     c = build(engine_context(WorkerConfig.from_args(["--model", str(folder), "--max-batch-size", "3", "--threads",
-                                                     "1", "--dtype", "bfloat16"]))).config  # type: ignore[attr-defined]
-    assert c == HFEngineConfig(folder, "my-model", 3, 1, "bfloat16")
+                                                     "1", "--dtype", "bfloat16", "--block-size", "32",
+                                                     "--hf-prefix-cache-blocks", "0"]))).config  # type: ignore[attr-defined]
+    assert c == HFEngineConfig(folder, "my-model", 3, 1, "bfloat16", block_size=32, prefix_cache_blocks=0)
     named = build(engine_context(WorkerConfig.from_args(["--model", str(folder), "--served-name", "x"])))
     assert named.config.served_name == "x"  # type: ignore[attr-defined]
 
