@@ -29,7 +29,7 @@ def emesh() -> Iterator[Mesh]:
     db = os.path.join(tempfile.mkdtemp(prefix="embedmesh-responses-"), "responses.sqlite3")
     m = start_mesh(engine="echo", env={"EMBEDMESH_TRACE_CONSOLE": "0", "EMBEDMESH_API_KEYS": f"{KA}=alpha,{KB}=beta",
                                        "EMBEDMESH_GATEWAY_RESPONSES_DB": db,
-                                       # tensors of 8 KiB and more go as pieces (ChatChunks), as big ones do
+                                       # tensors of 8 KiB and more go as pieces (Generate rows), as big ones do
                                        "EMBEDMESH_GATEWAY_PIECES_MIN_BYTES": "8192"})
     m.extra["model"] = httpx.get(f"{m.base_url}/v1/models", headers={"authorization": f"Bearer {KA}"},
                                  timeout=30).json()["data"][0]["id"]

@@ -1,5 +1,5 @@
 """A REST completion with one big torch.save ``prompt_embeds`` payload (8 MiB of values or more) goes from the gateway
-to the preprocessor as a CompleteChunks stream and on to the worker as it arrives (``gateway/pieces_body.py``), on
+to the preprocessor as a Generate pieces stream and on to the worker as it arrives (``gateway/pieces_body.py``), on
 a real echo mesh driven by the openai SDK and httpx: answered as before, streamed or not; every rule on the values
 refused under the same name and code as the one-message path gives (NaN/Inf in the last row, a wrong hidden size,
 over the byte cap) with nothing generated; a payload whose values are not stored as a wire tensor's (a transposed
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.generate_calls import generate_calls, grew
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -46,16 +46,9 @@ def rows(n: int = ROWS, hidden: int = HIDDEN, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).standard_normal((n, hidden)).astype(np.float32))
 
 
-def calls(mesh: Mesh) -> dict[str, float]:
-    """The preprocessor's served RPCs by method (``embedmesh_rpc_requests_total``, every code)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{mesh.extra['metrics_base'] + 1}/metrics",
-                                  timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("embedmesh_rpc_requests_total{") and 'service="preprocessor"' in line:
-            method = line.split('method="', 1)[1].split('"', 1)[0]
-            out[method] = out.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+def calls(mesh: Mesh) -> dict[tuple[str, str, str], float]:
+    """The preprocessor's Generate calls by (task, stream, transport)."""
+    return generate_calls(mesh.extra["metrics_base"] + 1)
 
 
 def completed(mesh: Mesh) -> int:
@@ -67,10 +60,6 @@ def completed(mesh: Mesh) -> int:
 def post(mesh: Mesh, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{mesh.base_url}/v1/completions", json={"model": "echo", "prompt": "", **body}, timeout=120)
 
-
-
-def grew(before: dict[str, float], after: dict[str, float], method: str) -> float:
-    return after.get(method, 0.0) - before.get(method, 0.0)
 
 
 def test_a_big_payload_goes_as_pieces_and_is_answered_as_before(emesh: Mesh) -> None:
@@ -86,8 +75,10 @@ def test_a_big_payload_goes_as_pieces_and_is_answered_as_before(emesh: Mesh) -> 
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "xxx"
     assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == ROWS
     after = calls(emesh)
-    assert grew(before, after, "CompleteChunks") == 1 and grew(before, after, "StreamCompleteChunks") == 1
-    assert grew(before, after, "Complete") == 0 and grew(before, after, "StreamComplete") == 0
+    assert grew(before, after, "completion", False, "pieces") == 1
+    assert grew(before, after, "completion", True, "pieces") == 1
+    assert grew(before, after, "completion", False, "message") == 0
+    assert grew(before, after, "completion", True, "message") == 0
 
 
 def test_small_payloads_and_other_layouts_still_go_as_one_message(emesh: Mesh) -> None:
@@ -98,7 +89,8 @@ def test_small_payloads_and_other_layouts_still_go_as_one_message(emesh: Mesh) -
     assert [r.status_code for r in (small, transposed, wide)] == [200] * 3, (transposed.text, wide.text)
     assert transposed.json()["usage"]["prompt_tokens"] == ROWS and wide.json()["usage"]["prompt_tokens"] == 2200
     after = calls(emesh)
-    assert grew(before, after, "Complete") == 3 and grew(before, after, "CompleteChunks") == 0
+    assert grew(before, after, "completion", False, "message") == 3
+    assert grew(before, after, "completion", False, "pieces") == 0
 
 
 def test_a_big_payload_for_an_unknown_model_is_refused_as_a_small_one(emesh: Mesh) -> None:
@@ -113,7 +105,7 @@ def test_a_bfloat16_payload_goes_as_pieces_and_is_cast_like_one_message(emesh: M
     r = post(emesh, {"prompt_embeds": b64(rows(8000).to(torch.bfloat16)), "max_tokens": 2})  # 9.2 MB of bf16
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 8000
-    assert grew(before, calls(emesh), "CompleteChunks") == 1
+    assert grew(before, calls(emesh), "completion", False, "pieces") == 1
 
 
 @pytest.mark.parametrize("case", ["nan in the last value", "inf in the first", "hidden size", "over the cap"])
@@ -168,8 +160,8 @@ def test_a_chat_with_big_payloads_goes_as_pieces_and_is_answered_as_before(emesh
     streamed = chat(emesh, rows(4000), stream=True)
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     after = calls(emesh)
-    assert grew(before, after, "ChatChunks") == 1 and grew(before, after, "StreamChatChunks") == 1
-    assert grew(before, after, "Chat") == 0 and grew(before, after, "StreamChat") == 0
+    assert grew(before, after, "chat", False, "pieces") == 1 and grew(before, after, "chat", True, "pieces") == 1
+    assert grew(before, after, "chat", False, "message") == 0 and grew(before, after, "chat", True, "message") == 0
     # the same conversation as one message (small) counts its prompt the same way per row
     small = chat(emesh, rows(10))
     assert small.status_code == 200

@@ -241,18 +241,15 @@ def test_loading_a_lora_adapter_needs_an_admin_key(smesh: Mesh) -> None:
 
 
 def test_a_big_payload_goes_on_as_pieces_under_the_clients_key(smesh: Mesh) -> None:
-    """The gateway's pieces calls (CompleteChunks: ``gateway/pieces_body.py``) carry the client's key like every
-    call: the preprocessor, which checks the key again, answers with its own rule (the prompt is past the model's
-    context) — not 401 — and counts the call as CompleteChunks."""
-    import urllib.request
-
+    """The gateway's pieces calls (Generate with rows after the header: ``gateway/pieces_body.py``) carry the
+    client's key like every call: the preprocessor, which checks the key again, answers with its own rule (the
+    prompt is past the model's context) — not 401 — and counts the call as a pieces stream."""
     import torch
 
+    from tests.support.generate_calls import generate_calls
+
     def chunks_calls() -> float:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{smesh.extra['metrics_base'] + 1}/metrics",
-                                      timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("embedmesh_rpc_requests_total{") and 'method="CompleteChunks"' in line)
+        return generate_calls(smesh.extra["metrics_base"] + 1).get(("completion", "false", "pieces"), 0.0)
 
     rows = torch.from_numpy(np.random.default_rng(0).standard_normal((9000, 576)).astype(np.float32))  # 20.7 MB
     body = {"model": MODEL, "prompt": "", "max_tokens": 1, "prompt_embeds": b64_of(rows)}

@@ -1,10 +1,11 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI JSON in, one gRPC call, OpenAI JSON or SSE out.
 
-Non-streamed: ``Complete``/``Chat`` → one ``text_completion``/``chat.completion`` object.
-Streamed: ``StreamComplete``/``StreamChat`` → SSE chunks in OpenAI's shape; ``finish_reason`` appears exactly once
-per choice; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with
-``"choices": []`` carries the usage; then ``data: [DONE]``. The first gRPC message is awaited before the HTTP
-response starts, so a request the preprocessor rejects is a plain OpenAI error with its HTTP status; a failure
+Both go through ``InferenceService.Generate`` (``pieces_body.generate``: big payloads as a pieces stream, the rest
+as one message). Non-streamed: its one ``completion``/``chat`` event → one ``text_completion``/``chat.completion``
+object. Streamed: its ``completion_chunk``/``chat_chunk`` events → SSE chunks in OpenAI's shape; ``finish_reason``
+appears exactly once per choice; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
+last chunk with ``"choices": []`` carries the usage; then ``data: [DONE]``. The first gRPC message is awaited before
+the HTTP response starts, so a request the preprocessor rejects is a plain OpenAI error with its HTTP status; a failure
 after that is an SSE ``{"error": {...}}`` event followed by ``[DONE]``.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -21,16 +22,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from embedmesh.core import fastpath
 from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import chat_slots, completion_slots
 from embedmesh.gateway.errors import ApiError, from_grpc
 from embedmesh.gateway.metrics import DISCONNECTS
-from embedmesh.gateway.pieces_body import PiecesBody, chat_pieces, completion_pieces, pieces_call
+from embedmesh.gateway.pieces_body import generate as generate_call
 from embedmesh.gateway.sse import DONE, DisconnectWatcher, EventStream, event
 from embedmesh.gateway.translate import FINISH, chat_params, completion_params, usage_json
-from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes, raw_unary_stream, raw_unary_unary
-from embedmesh.inference.v1 import inference_pb2
 
 __all__ = ["routes"]
 
@@ -186,78 +184,33 @@ def _chunk_choice(ev: Any, finish: str | None, shape: _Shape, has_lps: bool) -> 
     return choice
 
 
-def _no_fallback() -> bytes:
-    raise AssertionError("only a pieces call falls back to one message")
-
-
-def _outgoing(body: dict[str, Any], chat: bool, pieces_min_bytes: int) -> tuple[
-        Any, PiecesBody | None, bytes | None, Callable[[], bytes]]:
-    """What goes to the preprocessor: (params, pieces, data, one_message). Big payloads go as a pieces stream
-    (``pieces``; ``one_message`` builds the one message if that call falls back); other decoded ``prompt_embeds``
-    are spliced into the request bytes (``data``: their one copy, see wire_body), or, with the bypasses off
-    (``core.fastpath``), left inside ``params`` for protobuf to build and serialize; without any, ``params`` alone."""
-    blobs: list[bytes] = []
-    params = chat_params(body, blobs) if chat else completion_params(body, blobs)
-
-    def one_message() -> bytes:
-        return chat_request_bytes(params, blobs) if chat else completion_request_bytes(params, blobs)
-
-    if not blobs:
-        return params, None, None, _no_fallback
-    pieces = (chat_pieces if chat else completion_pieces)(params, blobs, pieces_min_bytes)
-    if pieces is not None:
-        return params, pieces, None, one_message
-    if not fastpath.enabled():
-        return (chat_params(body) if chat else completion_params(body)), None, None, _no_fallback
-    return params, None, one_message(), _no_fallback  # the payloads go with ``blobs``: ``data`` holds their copy
-
-
 def routes(gw: Gateway) -> list[Route]:
     """The completion routes, bound to the gateway's channel."""
 
     async def generate(request: Request, chat: bool) -> Response:
         body = await gw.read_json(request, chat_slots if chat else completion_slots)
-        params, pieces, data, one_message = _outgoing(body, chat, gw.config.pieces_min_bytes)
-        stub = gw.stub
-        timeout = gw.config.request_timeout_seconds
+        blobs: list[bytes] = []
+        params = chat_params(body, blobs) if chat else completion_params(body, blobs)
+        stream = bool(body.get("stream"))
+        call = generate_call(gw.channel, params, blobs, chat=chat, stream=stream,
+                             timeout=gw.config.request_timeout_seconds, min_bytes=gw.config.pieces_min_bytes)
+        del blobs
         created = int(time.time())
-        if not body.get("stream"):
-            if pieces is not None:
-                unary = pieces_call(gw.channel, pieces, one_message, timeout, chat=chat, stream=False)
-            elif data is not None:
-                method, response = ("Chat", inference_pb2.ChatResponse) if chat else \
-                    ("Complete", inference_pb2.CompleteResponse)
-                unary = raw_unary_unary(gw.channel, method, response)(data, timeout=timeout)
-            elif chat:
-                unary = stub.Chat(inference_pb2.ChatRequest(params=params), timeout=timeout)
-            else:
-                unary = stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=timeout)
-            del data
+        if not stream:
             # A client that leaves before the whole completion is ready cancels the generation too.
-            watcher = DisconnectWatcher(request.receive, unary)
+            watcher = DisconnectWatcher(request.receive, call)
             try:
-                resp = await unary
+                resp = await call
             except grpc.aio.AioRpcError as e:
                 raise from_grpc(e) from None
             except asyncio.CancelledError:
-                unary.cancel()
+                call.cancel()
                 if not watcher.gone:
                     raise
                 return _gone()
             finally:
                 watcher.stop()
             return Response(orjson.dumps(_whole(resp, created, _Shape(body, chat))), media_type="application/json")
-        if pieces is not None:
-            call = pieces_call(gw.channel, pieces, one_message, timeout, chat=chat, stream=True)
-        elif data is not None:
-            method, response = ("StreamChat", inference_pb2.StreamChatResponse) if chat else \
-                ("StreamComplete", inference_pb2.StreamCompleteResponse)
-            call = raw_unary_stream(gw.channel, method, response)(data, timeout=timeout)
-        elif chat:
-            call = stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
-        else:
-            call = stub.StreamComplete(inference_pb2.StreamCompleteRequest(params=params), timeout=timeout)
-        del data
         # Watch from the start: a client that leaves during a long prefill cancels the call too.
         watcher = DisconnectWatcher(request.receive, call)
         try:

@@ -1,13 +1,12 @@
-"""Big ``prompt_embeds`` payloads go to the preprocessor as a pieces stream instead of one message: a completion's
-as ``CompleteChunks`` (``StreamCompleteChunks`` for ``stream: true``), a chat's as ``ChatChunks`` /
-``StreamChatChunks`` — the request with each tensor's dtype and shape, then the tensors' values in 1 MiB pieces,
-each copied once just before gRPC sends it.
+"""The gateway's one generation call, ``InferenceService.Generate`` (``generate``): a request whose decoded
+``prompt_embeds`` are big goes as a pieces stream, the header with each tensor's dtype and shape, then the tensors'
+values in 1 MiB pieces, each copied once just before gRPC sends it; any other as one message (``wire_body``).
 
 Why: sent as one message, a 64 MiB payload is joined into the request bytes, copied again by gRPC, received whole by
 the preprocessor before anything starts, hashed for the encoder cache and decoded there. As pieces of raw tensors
 (what ``torch.save`` of a float tensor holds), the preprocessor lays them out as they arrive; a completion's one
 tensor already in the model's dtype is even checked piece by piece and forwarded to the worker at once
-(``core/pieces.py``, ``InferenceServicer._streamed_scan``), so the gateway's send, the preprocessor's checks and the
+(``core/pieces.py``, ``InferenceServicer._completion_scan``), so the gateway's send, the preprocessor's checks and the
 worker's receive overlap (a chat's tensors are assembled first). The encoder cache is not used for such payloads: a
 hit would still cost hashing every byte, as much as the NaN/Inf check it saves.
 
@@ -30,14 +29,15 @@ from typing import Any
 
 import grpc
 
-from embedmesh.core import wire
+from embedmesh.core import fastpath, wire
 from embedmesh.core.errors import answered_by_peer, from_rpc_error
 from embedmesh.core.tensor_codec import StoredTensor, stored_tensor
-from embedmesh.gateway.wire_body import raw_call
+from embedmesh.gateway.errors import ApiError
+from embedmesh.gateway.wire_body import Part, generate_call, generate_request_bytes, header_bytes, plain_request_bytes
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["PIECE_BYTES", "PiecesBody", "PiecesCall", "completion_pieces", "chat_pieces", "pieces_call", "fall_back"]
+__all__ = ["PIECE_BYTES", "PiecesBody", "GenerateCall", "completion_pieces", "chat_pieces", "generate", "fall_back"]
 
 PIECE_BYTES = 1 << 20
 """Bytes of tensor values per message."""
@@ -47,7 +47,7 @@ _FLOATS = frozenset({tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16, tenso
 
 @dataclass(frozen=True)
 class PiecesBody:
-    """A request (serialized) whose tensors carry no data, and those tensors' values in order."""
+    """A ``GenerateHeader`` (serialized) whose tensors carry no data, and those tensors' values in order."""
 
     request: bytes
     values: tuple[memoryview, ...]
@@ -81,9 +81,9 @@ def _as_tensor(pe: inference_pb2.PromptEmbeds, stored: StoredTensor) -> None:
 
 
 def completion_pieces(params: inference_pb2.CompletionParams, blobs: Sequence[bytes | memoryview],
-                      min_bytes: int) -> PiecesBody | None:
-    """``params`` (built with ``blobs``, see ``wire_body``) as a ``CompleteChunks`` stream, or None when it goes as
-    one message: one ``prompt_embeds`` payload of ``min_bytes`` or more, no prefix (see the module docstring)."""
+                      min_bytes: int, *, stream: bool = False) -> PiecesBody | None:
+    """``params`` (built with ``blobs``, see ``wire_body``) as a pieces stream, or None when it goes as one
+    message: one ``prompt_embeds`` payload of ``min_bytes`` or more, no prefix (see the module docstring)."""
     if min_bytes <= 0 or len(params.prompt_embeds) != 1 or params.HasField("prefix"):
         return None
     stored = _stored(params.prompt_embeds[0], blobs)
@@ -92,12 +92,12 @@ def completion_pieces(params: inference_pb2.CompletionParams, blobs: Sequence[by
     head = inference_pb2.CompletionParams()
     head.CopyFrom(params)
     _as_tensor(head.prompt_embeds[0], stored)
-    return PiecesBody(inference_pb2.CompleteRequest(params=head).SerializeToString(), (stored.data,))
+    return PiecesBody(header_bytes(head, chat=False, stream=stream), (stored.data,))
 
 
 def chat_pieces(params: inference_pb2.ChatParams, blobs: Sequence[bytes | memoryview],
-                min_bytes: int) -> PiecesBody | None:
-    """``params`` (built with ``blobs``) as a ``ChatChunks`` stream, or None when it goes as one message: its
+                min_bytes: int, *, stream: bool = False) -> PiecesBody | None:
+    """``params`` (built with ``blobs``) as a pieces stream, or None when it goes as one message: its
     ``prompt_embeds`` payloads add up to ``min_bytes`` or more and every one of them can go as pieces (upload ids
     stay as they are). The preprocessor assembles a chat's tensors before it runs (no streaming through), so this
     saves the one big message on both sides, not the waiting."""
@@ -117,36 +117,28 @@ def chat_pieces(params: inference_pb2.ChatParams, blobs: Sequence[bytes | memory
             values.append(stored.data)
     if sum(len(v) for v in values) < min_bytes:
         return None
-    return PiecesBody(inference_pb2.ChatRequest(params=head).SerializeToString(), tuple(values))
+    return PiecesBody(header_bytes(head, chat=True, stream=stream), tuple(values))
 
 
 def fall_back(e: grpc.aio.AioRpcError) -> bool:
-    """Whether a pieces call's failure means: send the request again as one message. Nothing was generated in any
-    of these cases, and the one-message call gets the preprocessor's own answer:
-
-    * it does not serve the pieces methods (UNIMPLEMENTED from gRPC itself: an older preprocessor);
-    * gRPC's own INTERNAL, not the preprocessor's: grpc.aio reports a write that failed because the call had already
-      ended that way, hiding the answer that ended it (an older preprocessor's UNIMPLEMENTED while pieces were still
-      being sent);
-    * it refused a tensor's declared size (``<field>.shape``, TOO_LARGE), which the one-message path words under
-      ``<field>``.
-    """
-    if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL):
-        return not answered_by_peer(e)
+    """Whether a pieces call's failure means: send the request again as one message. Only when the preprocessor
+    refused a tensor's declared size (``<field>.shape``, TOO_LARGE), which the one-message path words under
+    ``<field>``; nothing was generated then, and the one-message call gets the preprocessor's own answer."""
     if e.code() != grpc.StatusCode.INVALID_ARGUMENT or not answered_by_peer(e):
         return False
     err = from_rpc_error(e)
     return err.reason == "TOO_LARGE" and (err.field or "").endswith(".shape")
 
 
-class PiecesCall:
-    """A call made as a pieces stream (``first()``) and made again as one message (``again()``) when it fails before
-    any response in a way ``fall_back`` accepts. Awaited like a unary call or read like a streaming one; ``cancel``
-    cancels whichever call is current, so a disconnect watcher can hold it from the start."""
+class GenerateCall:
+    """A ``Generate`` call (``first()``), made again as one message (``again()``) when a pieces stream fails before
+    any response in a way ``fall_back`` accepts. Awaited for a whole answer (its one event), or read like a
+    streaming call; ``cancel`` cancels whichever call is current, so a disconnect watcher can hold it from the
+    start."""
 
-    def __init__(self, first: Callable[[], Any], again: Callable[[], Any]) -> None:
+    def __init__(self, first: Callable[[], Any], again: Callable[[], Any] | None = None) -> None:
         self._call = first()
-        self._again: Callable[[], Any] | None = again
+        self._again = again
 
     def cancel(self) -> bool:
         return bool(self._call.cancel())
@@ -155,12 +147,11 @@ class PiecesCall:
         return self._response().__await__()
 
     async def _response(self) -> Any:
-        try:
-            return await self._call
-        except grpc.aio.AioRpcError as e:
-            if not self._retry(e):
-                raise
-        return await self._call
+        event = await self.read()
+        if event is grpc.aio.EOF:
+            raise ApiError(502, "the inference service ended the stream without a result", code="empty_stream",
+                           type_="server_error")
+        return event
 
     async def read(self) -> Any:
         try:
@@ -179,21 +170,26 @@ class PiecesCall:
         return True
 
 
-_METHODS = {  # (chat, stream) -> pieces method, one-message method, response
-    (False, False): ("CompleteChunks", "Complete", inference_pb2.CompleteResponse),
-    (False, True): ("StreamCompleteChunks", "StreamComplete", inference_pb2.StreamCompleteResponse),
-    (True, False): ("ChatChunks", "Chat", inference_pb2.ChatResponse),
-    (True, True): ("StreamChatChunks", "StreamChat", inference_pb2.StreamChatResponse),
-}
+def _one_message(params: Any, blobs: Sequence[Part], chat: bool, stream: bool) -> bytes:
+    """The request as one ``GenerateRequest``: decoded payloads spliced in (``wire_body``), or, with the bypasses
+    off (``core.fastpath``), built and serialized by protobuf."""
+    if fastpath.enabled():
+        return generate_request_bytes(params, blobs, chat=chat, stream=stream)
+    return plain_request_bytes(params, blobs, chat=chat, stream=stream)
 
 
-def pieces_call(channel: grpc.aio.Channel, pieces: PiecesBody, one_message: Callable[[], bytes], timeout: float,
-                *, chat: bool, stream: bool) -> PiecesCall:
-    """The pieces method of the route (``CompleteChunks``, ``ChatChunks`` or their streaming forms) with
-    ``pieces``, made again as the one-message method with ``one_message()`` when it falls back."""
-    chunks, one, response = _METHODS[(chat, stream)]
-    return PiecesCall(
-        lambda: raw_call(channel, "stream_stream" if stream else "stream_unary", chunks, response)(
-            pieces.messages(), timeout=timeout),
-        lambda: raw_call(channel, "unary_stream" if stream else "unary_unary", one, response)(
-            one_message(), timeout=timeout))
+def generate(channel: grpc.aio.Channel, params: inference_pb2.CompletionParams | inference_pb2.ChatParams,
+             blobs: Sequence[Part], *, chat: bool, stream: bool, timeout: float, min_bytes: int) -> GenerateCall:
+    """``InferenceService.Generate`` of ``params`` (built with ``blobs`` by ``translate``): its events unwrapped
+    (``completion_chunk``/``chat_chunk`` messages when ``stream``, else one ``completion``/``chat``). Big payloads
+    go as a pieces stream (``min_bytes``, see the module docstring), the rest as one message."""
+    pieces = None
+    if blobs:
+        pieces = (chat_pieces if chat else completion_pieces)(params, blobs, min_bytes, stream=stream)  # type: ignore
+    if pieces is None:
+        data = _one_message(params, blobs, chat, stream)
+        return GenerateCall(lambda: generate_call(channel, "unary_stream")(data, timeout=timeout))
+    messages = pieces.messages()
+    return GenerateCall(
+        lambda: generate_call(channel, "stream_stream")(messages, timeout=timeout),
+        lambda: generate_call(channel, "unary_stream")(_one_message(params, blobs, chat, stream), timeout=timeout))

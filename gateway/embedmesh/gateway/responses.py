@@ -9,7 +9,7 @@
 A create is rewritten as the chat body it means (``responses_shape.to_chat``: instructions as a system message, the
 stored conversation of ``previous_response_id``, the new input items as messages, ``text.format`` as
 ``response_format``, function tools as chat tools) and goes through the chat path's own checks
-(``translate.chat_params``) and gRPC call (``Chat`` / ``StreamChat``); a refusal names the Responses field. With
+(``translate.chat_params``) and gRPC call (``Generate``); a refusal names the Responses field. With
 ``store`` (the default) the response, the conversation up to its output and its input items go to the response
 store (``response_store.py``) under the caller's tenant: another tenant's id is the same 404 as an unknown one. A
 follow-up turn sends only its new input; the gateway puts the stored conversation before it.
@@ -39,14 +39,13 @@ from embedmesh.gateway.context import Gateway
 from embedmesh.gateway.embeds_json import Base64Text
 from embedmesh.gateway.errors import ApiError, bad_request, from_grpc
 from embedmesh.gateway.paging import list_json, page_request
-from embedmesh.gateway.pieces_body import chat_pieces, pieces_call
+from embedmesh.gateway.pieces_body import generate
 from embedmesh.gateway.requests import parse
 from embedmesh.gateway.requests.responses import ResponsesRequest
 from embedmesh.gateway.response_store import ResponseStore, Stored
 from embedmesh.gateway.responses_shape import Turn, item_ids, new_id, renamed, stream_events, to_chat
 from embedmesh.gateway.sse import DisconnectWatcher, EventStream
 from embedmesh.gateway.translate import chat_params
-from embedmesh.gateway.wire_body import chat_request_bytes, raw_unary_stream, raw_unary_unary
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 
@@ -73,23 +72,9 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
 
 
 def _call(gw: Gateway, params: inference_pb2.ChatParams, blobs: list[bytes], stream: bool) -> Any:
-    """The chat call, as the chat route makes it: big prompt_embeds payloads as pieces (``pieces_body``), other
-    decoded payloads spliced into the message bytes (``wire_body``), else the plain message."""
-    timeout = gw.config.request_timeout_seconds
-    if blobs:
-        def one_message() -> bytes:
-            return chat_request_bytes(params, blobs)
-
-        pieces = chat_pieces(params, blobs, gw.config.pieces_min_bytes)
-        if pieces is not None:
-            return pieces_call(gw.channel, pieces, one_message, timeout, chat=True, stream=stream)
-        if stream:
-            return raw_unary_stream(gw.channel, "StreamChat", inference_pb2.StreamChatResponse)(one_message(),
-                                                                                                timeout=timeout)
-        return raw_unary_unary(gw.channel, "Chat", inference_pb2.ChatResponse)(one_message(), timeout=timeout)
-    if stream:
-        return gw.stub.StreamChat(inference_pb2.StreamChatRequest(params=params), timeout=timeout)
-    return gw.stub.Chat(inference_pb2.ChatRequest(params=params), timeout=timeout)
+    """The chat call, as the chat route makes it (``pieces_body.generate``)."""
+    return generate(gw.channel, params, blobs, chat=True, stream=stream, timeout=gw.config.request_timeout_seconds,
+                    min_bytes=gw.config.pieces_min_bytes)
 
 
 def _plain(value: Any) -> Any:

@@ -6,13 +6,13 @@ and ``PromptEmbeds`` constructors, ``params.prompt_embeds.append`` (or ``ChatCon
 time per request. Here the translation (``completion_params``/``chat_params`` with a ``blobs`` list) leaves a
 small placeholder where each decoded tensor goes and collects the bytes in ``blobs``; this module serializes the
 small rest with protobuf and splices the blobs in, so one ``b"".join`` is the only copy of them. The bytes parse
-as the very message the constructors would have built (tests/unit/gateway/test_wire_body.py), and are sent
-through a multicallable without a request serializer::
+as the very ``GenerateRequest`` the constructors would have built (tests/unit/gateway/test_wire_body.py), and are
+sent through a multicallable without a request serializer (``generate_call``)::
 
     blobs: list[bytes] = []
     params = completion_params(body, blobs)
-    data = completion_request_bytes(params, blobs)   # a CompleteRequest, or a StreamCompleteRequest
-    call = raw_unary_unary(channel, "Complete", inference_pb2.CompleteResponse)(data, timeout=...)
+    data = generate_request_bytes(params, blobs, chat=False, stream=True)
+    call = generate_call(channel, "unary_stream")(data, timeout=...)    # events: completion_chunk, ...
 
 Protobuf reads fields in any order, appends repeated ones in the order they come and merges a message field given
 more than once; so a repeated field that holds a blob (``prompt_embeds``, ``messages``, ``parts``) is left out of
@@ -29,14 +29,7 @@ import grpc
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = [
-    "placeholder",
-    "completion_request_bytes",
-    "chat_request_bytes",
-    "raw_unary_unary",
-    "raw_unary_stream",
-    "raw_call",
-]
+__all__ = ["placeholder", "generate_request_bytes", "header_bytes", "plain_request_bytes", "generate_call"]
 
 _LEN = 2  # wire type of length-delimited fields
 
@@ -47,11 +40,10 @@ def _number(message: Any, name: str) -> int:
     return int(message.DESCRIPTOR.fields_by_name[name].number)
 
 
-# Every request message the gateway sends has its params as field 1 (CompleteRequest, StreamCompleteRequest,
-# ChatRequest, StreamChatRequest); checked here so a proto change cannot silently break the bytes.
-_PARAMS = _number(inference_pb2.CompleteRequest, "params")
-for _msg in (inference_pb2.StreamCompleteRequest, inference_pb2.ChatRequest, inference_pb2.StreamChatRequest):
-    assert _number(_msg, "params") == _PARAMS
+_REQUEST = _number(inference_pb2.GenerateRequest, "request")
+_COMPLETION = _number(inference_pb2.GenerateHeader, "completion")
+_CHAT = _number(inference_pb2.GenerateHeader, "chat")
+_STREAM = bytes([_number(inference_pb2.GenerateHeader, "stream") << 3, 1])  # the flag set: key (varint type), 1
 _PROMPT_EMBEDS = _number(inference_pb2.CompletionParams, "prompt_embeds")
 _PREFIX = _number(inference_pb2.CompletionParams, "prefix")
 _MESSAGES = _number(inference_pb2.ChatParams, "messages")
@@ -94,13 +86,7 @@ def _embeds(pe: inference_pb2.PromptEmbeds, blobs: Sequence[Part]) -> list[Part]
     return _field(_ENCODED, encoded)
 
 
-def _request(params: list[Part]) -> bytes:
-    return b"".join(_field(_PARAMS, params))
-
-
-def completion_request_bytes(params: inference_pb2.CompletionParams, blobs: Sequence[Part]) -> bytes:
-    """A ``CompleteRequest`` (or ``StreamCompleteRequest``: the same bytes) of ``params``, built by
-    ``completion_params(body, blobs)``, with the blobs in place of their placeholders."""
+def _completion_parts(params: inference_pb2.CompletionParams, blobs: Sequence[Part]) -> list[Part]:
     rest = inference_pb2.CompletionParams()
     rest.CopyFrom(params)
     del rest.prompt_embeds[:]
@@ -110,7 +96,7 @@ def completion_request_bytes(params: inference_pb2.CompletionParams, blobs: Sequ
         parts.extend(_field(_PROMPT_EMBEDS, _embeds(pe, blobs)))
     if params.HasField("prefix"):
         parts.extend(_field(_PREFIX, _embeds(params.prefix, blobs)))
-    return _request(parts)
+    return parts
 
 
 def _message(msg: inference_pb2.ChatMessage, blobs: Sequence[Part]) -> list[Part]:
@@ -128,33 +114,74 @@ def _message(msg: inference_pb2.ChatMessage, blobs: Sequence[Part]) -> list[Part
     return parts
 
 
-def chat_request_bytes(params: inference_pb2.ChatParams, blobs: Sequence[Part]) -> bytes:
-    """A ``ChatRequest`` (or ``StreamChatRequest``: the same bytes) of ``params``, built by
-    ``chat_params(body, blobs)``, with the blobs in place of their placeholders."""
+def _chat_parts(params: inference_pb2.ChatParams, blobs: Sequence[Part]) -> list[Part]:
     rest = inference_pb2.ChatParams()
     rest.CopyFrom(params)
     del rest.messages[:]
     parts: list[Part] = [rest.SerializeToString()]
     for msg in params.messages:
         parts.extend(_field(_MESSAGES, _message(msg, blobs)))
-    return _request(parts)
+    return parts
 
 
-_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+def _header(task: list[Part], chat: bool, stream: bool) -> list[Part]:
+    """A ``GenerateHeader``'s parts: the task's params (``task``, serialized) and the stream flag."""
+    out = _field(_CHAT if chat else _COMPLETION, task)
+    if stream:
+        out.append(_STREAM)
+    return out
 
 
-def raw_call(channel: grpc.aio.Channel, kind: str, method: str, response: Any) -> Any:
-    """InferenceService's ``method`` (``kind``: "unary_unary", "unary_stream", "stream_unary" or "stream_stream")
-    taking message bytes as they are (no serializer)."""
-    return getattr(channel, kind)(f"/{_SERVICE}/{method}", request_serializer=None,
-                                  response_deserializer=response.FromString, _registered_method=True)
+def generate_request_bytes(params: inference_pb2.CompletionParams | inference_pb2.ChatParams,
+                           blobs: Sequence[Part], *, chat: bool, stream: bool) -> bytes:
+    """A ``GenerateRequest`` holding the header of ``params`` (built by ``completion_params(body, blobs)`` or
+    ``chat_params(body, blobs)``, as ``chat`` says) with the blobs in place of their placeholders."""
+    if not blobs:
+        task: list[Part] = [params.SerializeToString()]
+    else:
+        task = _chat_parts(params, blobs) if chat else _completion_parts(params, blobs)  # type: ignore[arg-type]
+    return b"".join(_field(_REQUEST, _header(task, chat, stream)))
 
 
-def raw_unary_unary(channel: grpc.aio.Channel, method: str, response: Any) -> Any:
-    """InferenceService's ``method`` taking request bytes as they are (no serializer)."""
-    return raw_call(channel, "unary_unary", method, response)
+def header_bytes(params: inference_pb2.CompletionParams | inference_pb2.ChatParams, *, chat: bool,
+                 stream: bool) -> bytes:
+    """A ``GenerateHeader`` of ``params`` (no blobs) as bytes, the first message of a pieces stream once wrapped
+    (``core.wire.chunk_messages``)."""
+    return b"".join(_header([params.SerializeToString()], chat, stream))
 
 
-def raw_unary_stream(channel: grpc.aio.Channel, method: str, response: Any) -> Any:
-    """InferenceService's streaming ``method`` taking request bytes as they are (no serializer)."""
-    return raw_call(channel, "unary_stream", method, response)
+def plain_request_bytes(params: inference_pb2.CompletionParams | inference_pb2.ChatParams,
+                        blobs: Sequence[Part], *, chat: bool, stream: bool) -> bytes:
+    """The same ``GenerateRequest`` as ``generate_request_bytes``, built with protobuf's constructors and
+    serializer, each blob copied into its ``EncodedTensor.data`` (the plain path, ``core.fastpath``)."""
+    header = inference_pb2.GenerateHeader(stream=stream)
+    task = header.chat if chat else header.completion
+    task.CopyFrom(params)  # type: ignore[attr-defined]
+    if blobs:
+        if chat:
+            embeds = [p.prompt_embeds for m in task.messages for p in m.parts  # type: ignore[attr-defined]
+                      if p.WhichOneof("kind") == "prompt_embeds"]
+        else:
+            embeds = [*task.prompt_embeds, *([task.prefix] if task.HasField("prefix") else [])]  # type: ignore
+        for pe in embeds:
+            if pe.WhichOneof("source") == "encoded":
+                pe.encoded.data = bytes(blobs[int(pe.encoded.data)])
+    return inference_pb2.GenerateRequest(request=header).SerializeToString()
+
+
+def _event(raw: bytes) -> Any:
+    """A ``GenerateResponse``'s event (``completion_chunk``, ``chat_chunk``, ``completion`` or ``chat``): the
+    routes read those messages as they are."""
+    response = inference_pb2.GenerateResponse.FromString(raw)
+    return getattr(response, response.WhichOneof("event"))  # type: ignore[arg-type]
+
+
+_GENERATE = "/" + inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name + "/Generate"
+
+
+def generate_call(channel: grpc.aio.Channel, kind: str) -> Any:
+    """``InferenceService.Generate`` taking message bytes as they are (no serializer) and giving each event
+    unwrapped. ``kind``: "stream_stream" for a pieces stream, "unary_stream" for one message: on the wire that is
+    the same call (a client stream of one message, then its end), without grpc.aio's task writing the requests."""
+    return getattr(channel, kind)(_GENERATE, request_serializer=None, response_deserializer=_event,
+                                  _registered_method=True)

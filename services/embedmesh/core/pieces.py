@@ -52,12 +52,14 @@ Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 """The tensors of a request, in the order their bytes follow it, each with its field path."""
 
 
-def _wanted(request: Any, tensors_of: Tensors, max_bytes: int) -> list[tuple[str, int, int]]:
-    """(field path, byte count, element size) of every tensor whose bytes follow the request, in order."""
+def _wanted(request: Any, tensors_of: Tensors, max_bytes: int,
+            inline: dict[str, memoryview]) -> list[tuple[str, int, int]]:
+    """(field path, byte count, element size) of every tensor whose bytes follow the request, in order; a tensor
+    whose bytes came in the request (``data``, or cut out of it by ``core.wire`` into ``inline``) is not one."""
     out: list[tuple[str, int, int]] = []
     total = 0
     for path, tensor in tensors_of(request):
-        if len(tensor.data):
+        if len(tensor.data) or path in inline:
             continue
         info = tensors.DTYPES.get(tensor.dtype)
         if info is None:
@@ -168,7 +170,8 @@ class Arrival:
                 message = await _next(it, "rows")  # silence is bounded until the stream ends, bytes owed or not
             except StopAsyncIteration:
                 break
-            part = "rows" if isinstance(message, wire.RowsPiece) else message.WhichOneof("part")
+            part = ("rows" if isinstance(message, wire.RowsPiece) else "request"
+                    if isinstance(message, wire.WireRequest) else message.WhichOneof("part"))
             if part == "request":
                 raise InvalidArgument("request: the stream carries one request", field="request",
                                       reason="DUPLICATE")
@@ -206,22 +209,28 @@ class Arrival:
 async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int,
                 scan_for: Callable[[Any], Scan | None] | None = None) -> Arrival:
     """Read a pieces stream's request, allocate its tensors (nothing past ``max_bytes``) and go on reading their
-    bytes in the background (see ``Arrival``). ``messages`` as ``wire.parse_chunk`` gives them. ``scan_for(request)``
-    may return the check each tensor's bytes pass as they arrive (``Arrival.scanned`` says whether it did)."""
+    bytes in the background (see ``Arrival``). ``messages`` as ``wire.parse_chunk`` gives them: a first message
+    whose inline tensors were cut out (``wire.WireRequest``) has those bytes in ``Arrival.views`` too.
+    ``scan_for(request)`` may return the check each tensor's bytes pass as they arrive (``Arrival.scanned`` says
+    whether it did); it is asked only when some bytes follow the request."""
     it = messages.__aiter__()
     try:
         first = await _next(it, "request")
     except StopAsyncIteration:
         raise InvalidArgument("request: the stream ended before its request", field="request",
                               reason="REQUIRED") from None
+    inline: dict[str, memoryview] = {}
+    if isinstance(first, wire.WireRequest):
+        first, inline = first
     if isinstance(first, wire.RowsPiece) or first.WhichOneof("part") != "request":
         raise InvalidArgument("request: the first message of the stream must be the request", field="request",
                               reason="REQUIRED")
     request = first.request
-    wanted = _wanted(request, tensors_of, max_bytes)
+    wanted = _wanted(request, tensors_of, max_bytes, inline)
     # 64-byte aligned (numpy's allocator), untouched until the bytes arrive
     arrival = Arrival(request, [(path, np.empty(size, np.uint8)) for path, size, _ in wanted],
-                      [itemsize for _, _, itemsize in wanted], scan_for(request) if scan_for else None)
+                      [itemsize for _, _, itemsize in wanted], scan_for(request) if scan_for and wanted else None)
+    arrival.views.update(inline)
     arrival._task = asyncio.ensure_future(arrival._read(it))
     return arrival
 

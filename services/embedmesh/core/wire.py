@@ -30,9 +30,9 @@ from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
-           "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS", "chunked_segments",
-           "chunk_messages", "chunk_request_message", "chunk_rows_message", "row_pieces", "RowsPiece", "parse_chunk",
-           "parse_generate_chunk", "UPLOAD_STREAMS"]
+           "split_generate_header", "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS",
+           "chunked_segments", "chunk_messages", "chunk_request_message", "chunk_rows_message", "row_pieces",
+           "RowsPiece", "parse_chunk", "parse_generate_chunk", "UPLOAD_STREAMS"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -224,7 +224,8 @@ def _fields(buf: memoryview, start: int, end: int) -> list[tuple[int, int, int, 
 
 
 _TOKEN_IDS = worker_pb2.PromptSegment.DESCRIPTOR.fields_by_name["token_ids"].number
-_PARAMS = inference_pb2.CompleteRequest.DESCRIPTOR.fields_by_name["params"].number
+_PARAMS = inference_pb2.GenerateHeader.DESCRIPTOR.fields_by_name["completion"].number
+_GENERATE_HEADER = inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["request"].number
 _PROMPT_EMBEDS = inference_pb2.CompletionParams.DESCRIPTOR.fields_by_name["prompt_embeds"].number
 _PE_TENSOR = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["tensor"].number
 _PE_ENCODED = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["encoded"].number
@@ -232,7 +233,6 @@ _PE_CACHE_ID = inference_pb2.PromptEmbeds.DESCRIPTOR.fields_by_name["cache_id"].
 _ENCODED_DATA = tensor_pb2.EncodedTensor.DESCRIPTOR.fields_by_name["data"].number
 _PE_SOURCES = {_PE_TENSOR: _DATA, _PE_ENCODED: _ENCODED_DATA, _PE_CACHE_ID: 0}
 """PromptEmbeds' oneof members -> the field holding their bytes (0: a cache id, kept as it is)."""
-assert _PARAMS == inference_pb2.StreamCompleteRequest.DESCRIPTOR.fields_by_name["params"].number
 
 
 def split_generate_request(raw: bytes) -> WireRequest | None:
@@ -293,46 +293,72 @@ def _cut_tensor(buf: memoryview, f: tuple[int, int, int, int, int], field: int,
     return _key(field) + varint(len(kept)) + kept
 
 
+def _split_params(buf: memoryview, start: int, end: int) -> tuple[bytes, dict[str, memoryview]] | None:
+    """The message in ``buf[start:end]`` whose field 1 is ``CompletionParams`` (a ``GenerateHeader``'s
+    ``completion``), re-encoded with the bytes of ``prompt_embeds`` (raw tensors, and serialized ones as the gateway
+    sends them) cut out, and those bytes as views under the field names the preprocessor reports them with
+    (``prompt_embeds`` for one, ``prompt_embeds[i]`` for several). None unless it has its plain shape: field 1
+    once, and each ``prompt_embeds`` entry with at most one source. Raises ``_Malformed`` on bytes that are not
+    protobuf."""
+    top = _fields(buf, start, end)
+    params = [f for f in top if f[0] == _PARAMS]
+    if len(params) != 1 or params[0][1] != _LEN:
+        return None
+    inner = _fields(buf, params[0][3], params[0][4])
+    entries = [f for f in inner if f[0] == _PROMPT_EMBEDS]
+    if not entries or any(f[1] != _LEN for f in entries):
+        return None
+    views: dict[str, memoryview] = {}
+    out: list[bytes | memoryview] = []
+    index = 0
+    for f in inner:
+        if f[0] != _PROMPT_EMBEDS:
+            out.append(buf[f[2]:f[4]])
+            continue
+        source = _fields(buf, f[3], f[4])
+        kinds = [x[0] for x in source if x[0] in _PE_SOURCES]
+        if len(kinds) > 1 or (kinds and (len(source) != 1 or source[0][1] != _LEN)):
+            return None  # a source beside another (a oneof), or an odd encoding: protobuf's rules decide
+        if not kinds or kinds[0] == _PE_CACHE_ID:
+            out.append(buf[f[2]:f[4]])
+            index += 1
+            continue
+        path = "prompt_embeds" if len(entries) == 1 else f"prompt_embeds[{index}]"
+        cut = _cut_tensor(buf, source[0], kinds[0], views, path, _PE_SOURCES[kinds[0]])
+        if cut is None:
+            return None
+        out.append(_key(_PROMPT_EMBEDS) + varint(len(cut)) + cut)
+        index += 1
+    body = b"".join(out)
+    rest = b"".join(buf[f[2]:f[4]] for f in top if f[0] != _PARAMS)
+    return _key(_PARAMS) + varint(len(body)) + body + rest, views
+
+
 def split_complete_request(raw: bytes, cls: Any) -> WireRequest | None:
-    """``split_generate_request`` for ``CompleteRequest`` / ``StreamCompleteRequest``: the bytes of
-    ``params.prompt_embeds`` (raw tensors, and serialized ones as the gateway sends them) become views, under the
-    field names the preprocessor reports them with (``prompt_embeds`` for one, ``prompt_embeds[i]`` for several).
-    None unless the message has its plain shape: ``params`` once, and each ``prompt_embeds`` entry with at most one
-    source."""
+    """``split_generate_request`` for ``CompleteRequest`` / ``StreamCompleteRequest`` (see ``_split_params``)."""
+    buf = memoryview(raw)
+    try:
+        cut = _split_params(buf, 0, len(buf))
+        return None if cut is None else WireRequest(cls.FromString(cut[0]), cut[1])
+    except Exception:  # noqa: BLE001 - anything odd: the ordinary parser decides (and words the error)
+        return None
+
+
+def split_generate_header(raw: bytes) -> WireRequest | None:
+    """``split_generate_request`` for an ``InferenceService.Generate`` message holding a completion's header: the
+    bytes of ``completion.prompt_embeds`` become views (see ``_split_params``), so a prompt sent inline in one
+    message is not copied out of the received buffer. None unless the message is ``request`` alone, in its plain
+    shape (a chat, rows, or anything odd: protobuf parses it and words any error)."""
     buf = memoryview(raw)
     try:
         top = _fields(buf, 0, len(buf))
-        params = [f for f in top if f[0] == _PARAMS]
-        if len(params) != 1 or params[0][1] != _LEN:
+        if len(top) != 1 or top[0][0] != _GENERATE_HEADER or top[0][1] != _LEN:
             return None
-        inner = _fields(buf, params[0][3], params[0][4])
-        entries = [f for f in inner if f[0] == _PROMPT_EMBEDS]
-        if not entries or any(f[1] != _LEN for f in entries):
+        cut = _split_params(buf, top[0][3], top[0][4])
+        if cut is None:
             return None
-        views: dict[str, memoryview] = {}
-        out: list[bytes | memoryview] = []
-        index = 0
-        for f in inner:
-            if f[0] != _PROMPT_EMBEDS:
-                out.append(buf[f[2]:f[4]])
-                continue
-            source = _fields(buf, f[3], f[4])
-            kinds = [x[0] for x in source if x[0] in _PE_SOURCES]
-            if len(kinds) > 1 or (kinds and (len(source) != 1 or source[0][1] != _LEN)):
-                return None  # a source beside another (a oneof), or an odd encoding: protobuf's rules decide
-            if not kinds or kinds[0] == _PE_CACHE_ID:
-                out.append(buf[f[2]:f[4]])
-                index += 1
-                continue
-            path = "prompt_embeds" if len(entries) == 1 else f"prompt_embeds[{index}]"
-            cut = _cut_tensor(buf, source[0], kinds[0], views, path, _PE_SOURCES[kinds[0]])
-            if cut is None:
-                return None
-            out.append(_key(_PROMPT_EMBEDS) + varint(len(cut)) + cut)
-            index += 1
-        body = b"".join(out)
-        rest = b"".join(buf[f[2]:f[4]] for f in top if f[0] != _PARAMS)
-        message = cls.FromString(_key(_PARAMS) + varint(len(body)) + body + rest)
+        header, views = cut
+        message = inference_pb2.GenerateRequest.FromString(_key(_GENERATE_HEADER) + varint(len(header)) + header)
     except Exception:  # noqa: BLE001 - anything odd: the ordinary parser decides (and words the error)
         return None
     return WireRequest(message, views)
@@ -364,23 +390,29 @@ class RowsPiece(NamedTuple):
     data: memoryview
 
 
-def parse_chunk(cls: Any) -> Callable[[bytes], Any]:
+def parse_chunk(cls: Any, split: Callable[[bytes], WireRequest | None] | None = None) -> Callable[[bytes], Any]:
     """A request deserializer for a pieces stream of ``cls`` (``oneof part { request = 1; bytes rows = 2; }``): a
     message that is exactly one ``rows`` field becomes a ``RowsPiece`` (protobuf would copy the bytes twice: into
-    its arena, then into a new ``bytes`` when the field is read); anything else is parsed by protobuf (which words
-    its errors)."""
+    its arena, then into a new ``bytes`` when the field is read); a big ``request`` message becomes the
+    ``WireRequest`` that ``split`` makes of it, if any (its inline tensors as views, ``core.pieces.start``);
+    anything else is parsed by protobuf (which words its errors)."""
     assert _key(cls.DESCRIPTOR.fields_by_name["rows"].number) == _CHUNK_ROWS
     assert _key(cls.DESCRIPTOR.fields_by_name["request"].number) == _CHUNK_REQUEST  # chunk_messages writes any of them
 
     def parse(raw: bytes) -> Any:
-        if len(raw) >= _ZERO_COPY_MIN and raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
-            buf = memoryview(raw)
-            try:
-                n, pos = _read_varint(buf, len(_CHUNK_ROWS), len(buf))
-            except _Malformed:
-                n, pos = -1, 0
-            if pos + n == len(buf):
-                return RowsPiece(buf[pos:])
+        if len(raw) >= _ZERO_COPY_MIN:
+            if raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
+                buf = memoryview(raw)
+                try:
+                    n, pos = _read_varint(buf, len(_CHUNK_ROWS), len(buf))
+                except _Malformed:
+                    n, pos = -1, 0
+                if pos + n == len(buf):
+                    return RowsPiece(buf[pos:])
+            elif split is not None and fastpath.enabled():  # off: protobuf's parser (core.fastpath)
+                out = split(raw)
+                if out is not None:
+                    return out
         return cls.FromString(raw)
 
     return parse
@@ -407,6 +439,8 @@ method, a refusal of one waits for the client to finish sending (``core.server``
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
     **{method: parse_chunk(cls) for method, cls in _PIECES_STREAMS.items()},
+    "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
+                                                                     split_generate_header),
     "/embedmesh.inference.v1.InferenceService/Complete": _parser(
         inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
     "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(

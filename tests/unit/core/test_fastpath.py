@@ -54,15 +54,15 @@ def test_off_received_tensors_are_parsed_by_protobuf_not_cut_out(monkeypatch: py
     rows = np.ones((600, 32), np.float32)  # big enough for the cut-out path
     body = wire.generate_request_bytes(header, [rows], dtype)
     embeds = inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=dtype, shape=[600, 32], data=rows.tobytes()))
-    complete = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(
-        model="m", prompt_embeds=[embeds])).SerializeToString()
-    parse_complete = wire.REQUEST_PARSERS["/embedmesh.inference.v1.InferenceService/Complete"]
+    complete = inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(
+        completion=inference_pb2.CompletionParams(model="m", prompt_embeds=[embeds]))).SerializeToString()
+    parse_complete = wire.REQUEST_PARSERS["/embedmesh.inference.v1.InferenceService/Generate"]
     assert isinstance(wire.parse_generate_request(body), wire.WireRequest)
     assert isinstance(parse_complete(complete), wire.WireRequest)
     monkeypatch.setenv(fastpath.ENV, "off")
     plain = wire.parse_generate_request(body)
     assert isinstance(plain, worker_pb2.GenerateRequest) and plain.segments[0].embeds.data == rows.tobytes()
-    assert isinstance(parse_complete(complete), inference_pb2.CompleteRequest)
+    assert isinstance(parse_complete(complete), inference_pb2.GenerateRequest)
 
 
 def test_off_grpc_keeps_its_own_defaults() -> None:

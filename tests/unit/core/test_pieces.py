@@ -19,13 +19,13 @@ from embedmesh.tensor.v1 import tensor_pb2
 FP32, FP16 = tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16
 
 
-def _tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
-    for i, pe in enumerate(request.params.prompt_embeds):
+def _tensors(request: inference_pb2.GenerateHeader) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    for i, pe in enumerate(request.completion.prompt_embeds):
         yield f"t{i}", pe.tensor
 
 
-def _request(*specs: tuple[int, list[int], bytes]) -> inference_pb2.CompleteRequest:
-    return inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(prompt_embeds=[
+def _request(*specs: tuple[int, list[int], bytes]) -> inference_pb2.GenerateHeader:
+    return inference_pb2.GenerateHeader(completion=inference_pb2.CompletionParams(prompt_embeds=[
         inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=d, shape=shape, data=data))
         for d, shape, data in specs]))
 
@@ -39,12 +39,12 @@ def _assemble(items: list[Any], max_bytes: int = 1 << 20) -> tuple[Any, dict[str
     return asyncio.run(pieces.assemble(_stream(items), _tensors, max_bytes))
 
 
-def _first(request: inference_pb2.CompleteRequest) -> inference_pb2.CompleteChunksRequest:
-    return inference_pb2.CompleteChunksRequest(request=request)
+def _first(request: inference_pb2.GenerateHeader) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(request=request)
 
 
-def _rows(data: bytes) -> inference_pb2.CompleteChunksRequest:
-    return inference_pb2.CompleteChunksRequest(rows=data)
+def _rows(data: bytes) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(rows=data)
 
 
 def test_bytes_split_anywhere_land_in_each_tensor_in_order() -> None:
@@ -55,7 +55,7 @@ def test_bytes_split_anywhere_land_in_each_tensor_in_order() -> None:
     data = a.tobytes() + b.tobytes()
     for size in (1, 3, 7, len(data)):
         parts = [_rows(data[i:i + size]) for i in range(0, len(data), size)]
-        parts.insert(1, inference_pb2.CompleteChunksRequest())  # an empty message places nothing
+        parts.insert(1, inference_pb2.GenerateRequest())  # an empty message places nothing
         got, views = _assemble([_first(request), *parts])
         assert got == request
         assert set(views) == {"t0", "t1", "t3"}  # t2 carries its own data
@@ -67,10 +67,32 @@ def test_bytes_split_anywhere_land_in_each_tensor_in_order() -> None:
 def test_rows_pieces_as_views_are_placed_like_messages() -> None:
     a = np.arange(12, dtype=np.float32)
     raw = _rows(a.tobytes() * 512).SerializeToString()  # big enough to be cut out as a view
-    piece = wire.parse_chunk(inference_pb2.CompleteChunksRequest)(raw)
+    piece = wire.parse_chunk(inference_pb2.GenerateRequest)(raw)
     assert isinstance(piece, wire.RowsPiece)
     _, views = _assemble([_first(_request((FP32, [512, 12], b""))), piece])
     np.testing.assert_array_equal(np.frombuffer(views["t0"], np.float32).reshape(512, 12), np.tile(a, (512, 1)))
+
+
+def test_a_header_with_tensors_cut_out_expects_rows_only_for_the_others() -> None:
+    a = np.arange(2048, dtype=np.float32).reshape(128, 16)  # inline: cut out of the received bytes (core.wire)
+    b = np.arange(6, dtype=np.float32).reshape(2, 3)  # no data: its rows follow
+    header = _request((FP32, [128, 16], a.tobytes()), (FP32, [2, 3], b""))
+    first = wire.REQUEST_PARSERS["/embedmesh.inference.v1.InferenceService/Generate"](
+        _first(header).SerializeToString())
+    assert isinstance(first, wire.WireRequest) and set(first.views) == {"prompt_embeds[0]"}
+
+    def tensors_of(h: inference_pb2.GenerateHeader) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+        for i, pe in enumerate(h.completion.prompt_embeds):
+            yield f"prompt_embeds[{i}]", pe.tensor
+
+    got, views = asyncio.run(pieces.assemble(_stream([first, _rows(b.tobytes())]), tensors_of, 1 << 20))
+    assert got.completion.prompt_embeds[0].tensor.data == b""  # left in the view
+    np.testing.assert_array_equal(np.frombuffer(views["prompt_embeds[0]"], np.float32).reshape(128, 16), a)
+    np.testing.assert_array_equal(np.frombuffer(views["prompt_embeds[1]"], np.float32).reshape(2, 3), b)
+    # a second header, cut out or not, is refused as one
+    with pytest.raises(InvalidArgument) as e:
+        asyncio.run(pieces.assemble(_stream([first, _rows(b.tobytes()), first]), tensors_of, 1 << 20))
+    assert e.value.field == "request" and e.value.reason == "DUPLICATE"
 
 
 def test_the_limit_counts_every_tensor_together_before_anything_is_allocated() -> None:

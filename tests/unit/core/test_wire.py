@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,58 +143,87 @@ def test_small_requests_parse_as_usual() -> None:
     assert wire.parse_generate_request(raw) == ref
 
 
-def test_completion_requests_keep_raw_tensors_as_views_under_the_preprocessors_field_names() -> None:
+_GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
+
+
+def _header(params: Any, stream: bool = False) -> Any:
+    from embedmesh.inference.v1 import inference_pb2
+
+    return inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(completion=params, stream=stream))
+
+
+def test_completion_headers_keep_raw_tensors_as_views_under_the_preprocessors_field_names() -> None:
     from embedmesh.inference.v1 import inference_pb2
 
     a = np.random.default_rng(5).standard_normal((30, 64)).astype(np.float32)
     b = np.random.default_rng(6).standard_normal((20, 64)).astype(np.float16)
-    for cls in (inference_pb2.CompleteRequest, inference_pb2.StreamCompleteRequest):
-        req = cls(params=inference_pb2.CompletionParams(model="m", prompts=["x"], prompt_embeds=[
+    for stream in (False, True):
+        req = _header(inference_pb2.CompletionParams(model="m", prompts=["x"], prompt_embeds=[
             inference_pb2.PromptEmbeds(tensor=tensors.from_numpy(a)),
             inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=b"PK\x03\x04zz")),
-            inference_pb2.PromptEmbeds(tensor=tensors.from_numpy(b))]))
-        req.params.sampling.max_tokens = 4
+            inference_pb2.PromptEmbeds(tensor=tensors.from_numpy(b))]), stream)
+        req.request.completion.sampling.max_tokens = 4
         raw = req.SerializeToString()
-        split = wire.split_complete_request(raw, cls)
-        assert split is not None and set(split.views) == {"prompt_embeds[0]", "prompt_embeds[1]", "prompt_embeds[2]"}
+        split = wire.REQUEST_PARSERS[_GENERATE](raw)
+        assert isinstance(split, wire.WireRequest)
+        assert set(split.views) == {"prompt_embeds[0]", "prompt_embeds[1]", "prompt_embeds[2]"}
         assert bytes(split.views["prompt_embeds[1]"]) == b"PK\x03\x04zz"
-        expected = cls()
+        expected = inference_pb2.GenerateRequest()
         expected.CopyFrom(req)
-        expected.params.prompt_embeds[0].tensor.data = b""
-        expected.params.prompt_embeds[1].encoded.data = b""
-        expected.params.prompt_embeds[2].tensor.data = b""
-        assert split.message == expected
+        expected.request.completion.prompt_embeds[0].tensor.data = b""
+        expected.request.completion.prompt_embeds[1].encoded.data = b""
+        expected.request.completion.prompt_embeds[2].tensor.data = b""
+        assert split.message == expected and split.message.request.stream == stream
         assert bytes(split.views["prompt_embeds[2]"]) == b.tobytes()
-        one = cls(params=inference_pb2.CompletionParams(
+        one = _header(inference_pb2.CompletionParams(
             model="m", prompt_embeds=[inference_pb2.PromptEmbeds(tensor=tensors.from_numpy(a))]))
-        single = wire.split_complete_request(one.SerializeToString(), cls)
+        single = wire.split_generate_header(one.SerializeToString())
         assert single is not None and list(single.views) == ["prompt_embeds"]
-        # params twice (protobuf merges them): left to protobuf.
+        # the header twice (protobuf merges them): left to protobuf.
         twice = one.SerializeToString() * 2
-        assert wire.split_complete_request(twice, cls) is None
-        parsed = wire.REQUEST_PARSERS[f"/embedmesh.inference.v1.InferenceService/{cls.__name__[:-7]}"](twice)
-        assert isinstance(parsed, cls) and len(parsed.params.prompt_embeds) == 2
+        assert wire.split_generate_header(twice) is None
+        parsed = wire.REQUEST_PARSERS[_GENERATE](twice)
+        assert isinstance(parsed, inference_pb2.GenerateRequest)
+        assert len(parsed.request.completion.prompt_embeds) == 2
+
+
+def test_other_generate_messages_parse_as_usual() -> None:
+    from embedmesh.inference.v1 import inference_pb2
+
+    blob = bytes(range(256)) * 40
+    chat = inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(chat=inference_pb2.ChatParams(
+        model="m", messages=[inference_pb2.ChatMessage(role="user", parts=[inference_pb2.ChatContentPart(
+            prompt_embeds=inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)))])])))
+    parsed = wire.REQUEST_PARSERS[_GENERATE](chat.SerializeToString())
+    assert parsed == chat
+    rows = inference_pb2.GenerateRequest(rows=blob).SerializeToString()
+    piece = wire.REQUEST_PARSERS[_GENERATE](rows)
+    assert isinstance(piece, wire.RowsPiece) and bytes(piece.data) == blob
+    small = _header(inference_pb2.CompletionParams(model="m", prompt_embeds=[
+        inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=b"tiny"))]))
+    assert wire.REQUEST_PARSERS[_GENERATE](small.SerializeToString()) == small
 
 
 def test_serialized_tensors_from_the_gateway_become_views_too() -> None:
     from embedmesh.inference.v1 import inference_pb2
 
     blob = b"PK\x03\x04" + bytes(range(256)) * 40
-    req = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model="m", prompt_embeds=[
+    req = _header(inference_pb2.CompletionParams(model="m", prompt_embeds=[
         inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)),
-        inference_pb2.PromptEmbeds(cache_id="emb-abc")]))
-    split = wire.split_complete_request(req.SerializeToString(), inference_pb2.CompleteRequest)
+        inference_pb2.PromptEmbeds(cache_id="emb-abc")]), stream=True)
+    split = wire.split_generate_header(req.SerializeToString())
     assert split is not None and list(split.views) == ["prompt_embeds[0]"]
     assert bytes(split.views["prompt_embeds[0]"]) == blob
-    expected = inference_pb2.CompleteRequest()
+    expected = inference_pb2.GenerateRequest()
     expected.CopyFrom(req)
-    expected.params.prompt_embeds[0].encoded.data = b""
+    expected.request.completion.prompt_embeds[0].encoded.data = b""
     assert split.message == expected
     # Two sources in one entry (a oneof: protobuf keeps the last): left to protobuf.
     both = inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)).SerializeToString() + \
         inference_pb2.PromptEmbeds(cache_id="emb-x").SerializeToString()
     pe_key = wire.varint((inference_pb2.CompletionParams.DESCRIPTOR.fields_by_name["prompt_embeds"].number << 3) | 2)
     params = pe_key + wire.varint(len(both)) + both
-    raw = wire.varint((1 << 3) | 2) + wire.varint(len(params)) + params
-    assert wire.split_complete_request(raw, inference_pb2.CompleteRequest) is None
-    assert inference_pb2.CompleteRequest.FromString(raw).params.prompt_embeds[0].cache_id == "emb-x"
+    header = wire.varint((1 << 3) | 2) + wire.varint(len(params)) + params
+    raw = wire.varint((1 << 3) | 2) + wire.varint(len(header)) + header
+    assert wire.split_generate_header(raw) is None
+    assert inference_pb2.GenerateRequest.FromString(raw).request.completion.prompt_embeds[0].cache_id == "emb-x"

@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from embedmesh.common.v1 import common_pb2
+from embedmesh.core import wire
 from embedmesh.core.errors import EmbedmeshError
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.gateway import GatewayConfig, create_app
@@ -56,6 +57,18 @@ class Script:
     """Complete/StreamComplete send nothing and wait forever (a long prefill, a long generation)."""
     hang_after: bool = False
     """After ``stream``, StreamComplete goes on sending a delta every 20 ms forever (a long generation)."""
+    refuse_pieces: EmbedmeshError | None = None
+    """Raised by a Generate call whose tensors' bytes came as rows after its header, once they all arrived."""
+
+
+@dataclass
+class Sent:
+    """What one Generate call carried: the task's params, the header, the rows after it and the message count."""
+
+    params: Any
+    header: Any
+    rows: bytes
+    messages: int
 
 
 class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
@@ -80,8 +93,38 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
             return list(self.script.choice_protos)
         return [inference_pb2.Choice(index=i, text=t, finish_reason=f) for i, (t, f) in enumerate(self.script.choices)]
 
-    async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self.requests.append(("Complete", request))
+    async def Generate(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """The one generation call: recorded under the name of its shape ("Complete", "StreamChat", ...; with a
+        "Chunks" suffix when rows followed the header) as a ``Sent`` whose ``params`` are the task's."""
+        header, rows, messages = None, bytearray(), 0
+        async for m in request_iterator:
+            messages += 1
+            if isinstance(m, wire.WireRequest):  # inline tensors cut out of a big header (core.wire): put back
+                m, views = m
+                for path, view in views.items():
+                    pe = m.request.completion.prompt_embeds[int(path[14:-1]) if "[" in path else 0]
+                    getattr(pe, pe.WhichOneof("source")).data = bytes(view)
+            if isinstance(m, wire.RowsPiece):
+                rows += m.data
+            elif m.WhichOneof("part") == "request":
+                header = m.request
+            else:
+                rows += m.rows
+        assert header is not None
+        chat = header.WhichOneof("task") == "chat"
+        sent = Sent(header.chat if chat else header.completion, header, bytes(rows), messages)
+        shape = ("Stream" if header.stream else "") + ("Chat" if chat else "Complete")
+        self.requests.append((shape + ("Chunks" if messages > 1 else ""), sent))
+        if messages > 1 and self.script.refuse_pieces is not None:
+            raise self.script.refuse_pieces
+        if not header.stream:
+            answer = await (self.chat(sent, context) if chat else self.complete(sent, context))
+            yield inference_pb2.GenerateResponse(**{"chat" if chat else "completion": answer})
+            return
+        async for item in (self.stream_chat(sent, context) if chat else self.stream_complete(sent, context)):
+            yield inference_pb2.GenerateResponse(**{"chat_chunk" if chat else "completion_chunk": item})
+
+    async def complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.script.error is not None:
             raise self.script.error
         if self.script.hang_before_first:
@@ -95,8 +138,7 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
                                               usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2,
                                                                      total_tokens=7))
 
-    async def StreamComplete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self.requests.append(("StreamComplete", request))
+    async def stream_complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         context.add_done_callback(lambda _: self.cancelled.set() if context.cancelled() else None)
         try:
             if self.script.error is not None:
@@ -114,16 +156,14 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
             self.cancelled.set()
             raise
 
-    async def Chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self.requests.append(("Chat", request))
+    async def chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.script.error is not None:
             raise self.script.error
         choices = self._choices()
         return inference_pb2.ChatResponse(id="chatcmpl-fake", model=request.params.model, choices=choices,
                                           usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7))
 
-    async def StreamChat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        self.requests.append(("StreamChat", request))
+    async def stream_chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.script.error is not None:
             raise self.script.error
         for item in self.script.stream:

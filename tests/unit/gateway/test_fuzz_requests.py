@@ -80,25 +80,25 @@ class StubPreprocessor(FakeInference):
     def _reply(self, n: int) -> list[inference_pb2.Choice]:
         return [inference_pb2.Choice(index=i, text="ok", finish_reason=STOP) for i in range(n)]
 
-    async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._completion(request)
         return inference_pb2.CompleteResponse(id="cmpl-fuzz", model=MODEL, choices=self._reply(n),
                                               usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1,
                                                                      total_tokens=2))
 
-    async def StreamComplete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def stream_complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._completion(request)
         for i in range(n):
             yield delta(i, "ok", STOP)
         yield usage_event(1, n)
 
-    async def Chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._chat(request)
         return inference_pb2.ChatResponse(id="chatcmpl-fuzz", model=MODEL, choices=self._reply(n),
                                           usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1,
                                                                  total_tokens=2))
 
-    async def StreamChat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def stream_chat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = self._chat(request)
         for i in range(n):
             yield inference_pb2.StreamChatResponse(id="chatcmpl-fuzz", model=MODEL, index=i, text="ok",

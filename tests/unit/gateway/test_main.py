@@ -58,16 +58,19 @@ class _SlowStream(inference_pb2_grpc.InferenceServiceServicer):
         self.started = threading.Event()
         self.cancelled = threading.Event()
 
-    async def StreamComplete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def Generate(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        def event(**fields: Any) -> inference_pb2.GenerateResponse:
+            return inference_pb2.GenerateResponse(completion_chunk=inference_pb2.StreamCompleteResponse(
+                id="cmpl-drain", model="m", **fields))
+
         try:
             for i in range(self.DELTAS):
-                yield inference_pb2.StreamCompleteResponse(id="cmpl-drain", model="m", index=0, text=f"t{i} ")
+                yield event(index=0, text=f"t{i} ")
                 self.started.set()
                 await asyncio.sleep(self.GAP_S)
-            yield inference_pb2.StreamCompleteResponse(id="cmpl-drain", model="m", index=0,
-                                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
-            yield inference_pb2.StreamCompleteResponse(id="cmpl-drain", model="m", usage=common_pb2.Usage(
-                prompt_tokens=1, completion_tokens=self.DELTAS, total_tokens=self.DELTAS + 1))
+            yield event(index=0, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+            yield event(usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=self.DELTAS,
+                                               total_tokens=self.DELTAS + 1))
         except asyncio.CancelledError:
             self.cancelled.set()
             raise

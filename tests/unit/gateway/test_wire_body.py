@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from embedmesh.gateway.translate import chat_params, completion_params
-from embedmesh.gateway.wire_body import chat_request_bytes, completion_request_bytes
+from embedmesh.gateway.wire_body import generate_request_bytes, plain_request_bytes
 from embedmesh.inference.v1 import inference_pb2
 from tests.unit.gateway.conftest import MODEL
 
@@ -52,24 +52,47 @@ CHAT_BODIES: list[dict[str, Any]] = [
 ]
 
 
+def _generate(params: Any, chat: bool, stream: bool) -> inference_pb2.GenerateRequest:
+    header = inference_pb2.GenerateHeader(stream=stream)
+    (header.chat if chat else header.completion).CopyFrom(params)
+    return inference_pb2.GenerateRequest(request=header)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("body", COMPLETION_BODIES)
-def test_completion_bytes_parse_to_the_constructed_message(body: dict[str, Any]) -> None:
+def test_completion_bytes_parse_to_the_constructed_message(body: dict[str, Any], stream: bool) -> None:
     blobs: list[bytes] = []
-    data = completion_request_bytes(completion_params(body, blobs), blobs)
+    spliced = completion_params(body, blobs)
+    data = generate_request_bytes(spliced, blobs, chat=False, stream=stream)
     assert blobs, "base64 prompt_embeds go to blobs"
-    params = completion_params(body)
-    assert inference_pb2.CompleteRequest.FromString(data) == inference_pb2.CompleteRequest(params=params)
-    assert inference_pb2.StreamCompleteRequest.FromString(data) == inference_pb2.StreamCompleteRequest(params=params)
+    expected = _generate(completion_params(body), False, stream)
+    assert inference_pb2.GenerateRequest.FromString(data) == expected
+    assert inference_pb2.GenerateRequest.FromString(
+        plain_request_bytes(spliced, blobs, chat=False, stream=stream)) == expected
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("body", CHAT_BODIES)
-def test_chat_bytes_parse_to_the_constructed_message(body: dict[str, Any]) -> None:
+def test_chat_bytes_parse_to_the_constructed_message(body: dict[str, Any], stream: bool) -> None:
     blobs: list[bytes] = []
-    data = chat_request_bytes(chat_params(body, blobs), blobs)
+    spliced = chat_params(body, blobs)
+    data = generate_request_bytes(spliced, blobs, chat=True, stream=stream)
     assert blobs
-    params = chat_params(body)
-    assert inference_pb2.ChatRequest.FromString(data) == inference_pb2.ChatRequest(params=params)
-    assert inference_pb2.StreamChatRequest.FromString(data) == inference_pb2.StreamChatRequest(params=params)
+    expected = _generate(chat_params(body), True, stream)
+    assert inference_pb2.GenerateRequest.FromString(data) == expected
+    assert inference_pb2.GenerateRequest.FromString(
+        plain_request_bytes(spliced, blobs, chat=True, stream=stream)) == expected
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_request_without_blobs_is_its_params_in_a_header(chat: bool) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} if chat else \
+        {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+    params = chat_params(body) if chat else completion_params(body)
+    for stream in (False, True):
+        data = generate_request_bytes(params, [], chat=chat, stream=stream)
+        assert inference_pb2.GenerateRequest.FromString(data) == _generate(params, chat, stream)
+        assert plain_request_bytes(params, [], chat=chat, stream=stream) == data
 
 
 def test_no_base64_embeds_no_blobs() -> None:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["INFLIGHT", "REJECTED", "TTFT", "PROMPT_TOKENS", "GENERATED_TOKENS", "WORKER_RETRIES", "WORKER_FAILURES",
+__all__ = ["INFLIGHT", "REJECTED", "GENERATE_CALLS", "TTFT", "PROMPT_TOKENS", "GENERATED_TOKENS", "WORKER_RETRIES", "WORKER_FAILURES",
            "REQUEST_TOKENS_PER_SECOND", "FAIR_SHARE_WAITING"]
 
 # --- admission (servicer.Admission) ---------------------------------------------------------------------------
 INFLIGHT = Gauge("embedmesh_preprocessor_inflight_requests", "Requests the preprocessor is serving now")
 REJECTED = Counter("embedmesh_preprocessor_rejected_total", "Requests refused at once because the preprocessor "
                    "was at --max-inflight", ["rpc"])
+GENERATE_CALLS = Counter("embedmesh_preprocessor_generate_total", "Generate calls taken past admission, by task "
+                         "(completion, chat), stream (true, false) and how the prompt tensors' bytes came: in the "
+                         "header message (message) or as rows after it (pieces)", ["task", "stream", "transport"])
 
 # --- fair share (fair_share.FairShare) ---------------------------------------------------------------------
 FAIR_SHARE_WAITING = Gauge("embedmesh_preprocessor_fair_share_waiting", "Requests waiting for a generation slot "

@@ -19,7 +19,7 @@ from embedmesh.core import pieces, tensors
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
-from embedmesh.services.preprocessor.metrics import INFLIGHT, REJECTED
+from embedmesh.services.preprocessor.metrics import GENERATE_CALLS, INFLIGHT, REJECTED
 from embedmesh.services.preprocessor.pipeline import Usage
 from embedmesh.services.preprocessor.prompt_embeds import RawEmbeds
 from embedmesh.services.preprocessor.service import (
@@ -146,6 +146,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             if task is None:
                 raise InvalidArgument("request.task: the header must hold a completion or a chat",
                                       field="request.task", reason="REQUIRED")
+            GENERATE_CALLS.labels(task, "true" if header.stream else "false",
+                                  "pieces" if arrival.buffers else "message").inc()
             async with self._serving(arrival):
                 if not header.stream:
                     if task == "completion":
