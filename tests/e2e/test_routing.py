@@ -65,7 +65,8 @@ def wait_registered(mesh: Mesh, count: int, router: str = "") -> list[router_pb2
 def test_both_workers_register(mesh2: Mesh) -> None:
     workers = wait_registered(mesh2, 2)
     assert sorted(w.registration.address for w in workers) == sorted(mesh2.workers)
-    assert all(w.registration.model == MODEL and not w.registration.publishes_kv_events for w in workers)
+    # hf workers publish their prefix cache's KV events (engines/hf/prefix_cache.py): the router indexes them.
+    assert all(w.registration.model == MODEL and w.registration.publishes_kv_events for w in workers)
 
 
 def test_repeated_text_prompt_sticks_unrelated_prompts_spread(mesh2: Mesh) -> None:
