@@ -105,23 +105,37 @@ def forward_alone(a: argparse.Namespace, label: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(a.model_path), dtype=dtype).to(a.device).eval()
     prompt = AutoTokenizer.from_pretrained(str(a.model_path))(PROMPT, return_tensors="pt").input_ids.to(a.device)
     steps = min(a.max_tokens, 64)
-    for batch in a.clients:
-        ids = prompt.repeat(batch, 1)
-        with torch.inference_mode():
-            for _pass in ("warm-up", "timed"):
-                out = model(input_ids=ids, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                if a.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+    embed = model.get_input_embeddings()
+
+    def step(nxt: Any, cache: Any, mask: Any, pos: int, as_engine: bool) -> Any:
+        if not as_engine:
+            return model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        # As the engine calls it: embedding rows in, the 2-D mask (all ones here: no row is padded), positions.
+        positions = torch.full((nxt.shape[0], 1), pos, dtype=torch.long, device=a.device)
+        return model(inputs_embeds=embed(nxt), attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True)
+
+    for as_engine in (False, True):
+        for batch in a.clients:
+            ids = prompt.repeat(batch, 1)
+            with torch.inference_mode():
+                for _pass in ("warm-up", "timed"):
+                    out = model(input_ids=ids, use_cache=True)
                     cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                if a.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                took = time.perf_counter() - t0
-        print(f"[{label}] forward alone {batch:3d} row(s): {took / steps * 1e3:7.2f} ms/step = "
-              f"{batch * steps / took:9.1f} tokens/s ({a.dtype})", flush=True)
+                    mask = torch.ones_like(ids)
+                    if a.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+                        out = step(nxt, cache, mask, ids.shape[1] + i, as_engine)
+                        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    if a.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    took = time.perf_counter() - t0
+            how = "with mask, positions, embeddings" if as_engine else "ids only"
+            print(f"[{label}] forward alone {batch:3d} row(s), {how}: {took / steps * 1e3:7.2f} ms/step = "
+                  f"{batch * steps / took:9.1f} tokens/s ({a.dtype})", flush=True)
 
 
 def profile_engine(a: argparse.Namespace, label: str) -> None:
