@@ -2,7 +2,8 @@
 with two long streams in flight (the mocker engine, 50 ms a token, 400 tokens: ~20 s) and a 1 s drain grace.
 Each stream ends at the grace with an SSE error event that tells the client to retry (``server_shutting_down``,
 status 503) and ``[DONE]``, not with a bare transport error; the official SDK raises an ``APIError`` carrying that
-message, not a connection error; new connections are refused from the signal on."""
+message, not a connection error; a Responses stream ends with its own shape (``error``, then ``response.failed``,
+numbered on); new connections are refused from the signal on."""
 
 from __future__ import annotations
 
@@ -62,14 +63,31 @@ def _sdk_stream(base_url: str, started: threading.Event, out: dict[str, object])
     started.set()
 
 
+def _responses_stream(base_url: str, started: threading.Event, out: dict[str, object]) -> None:
+    events: list[dict[str, object]] = []
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/responses", timeout=60, json={
+                "model": "mocker", "input": BODY["prompt"], "max_output_tokens": 400, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "response.output_text.delta":
+                        started.set()
+    except Exception as e:  # noqa: BLE001 - the test asserts there is none
+        out["error"] = repr(e)
+    out["events"] = events
+    started.set()
+
+
 def test_sigterm_ends_open_streams_with_a_retry_event_at_the_grace(mesh: Mesh) -> None:
-    raw, sdk = {}, {}  # type: ignore[var-annotated]
-    raw_started, sdk_started = threading.Event(), threading.Event()
+    raw, sdk, resp = {}, {}, {}  # type: ignore[var-annotated]
+    raw_started, sdk_started, resp_started = threading.Event(), threading.Event(), threading.Event()
     threads = [threading.Thread(target=_raw_stream, args=(mesh.base_url, raw_started, raw)),
-               threading.Thread(target=_sdk_stream, args=(mesh.base_url, sdk_started, sdk))]
+               threading.Thread(target=_sdk_stream, args=(mesh.base_url, sdk_started, sdk)),
+               threading.Thread(target=_responses_stream, args=(mesh.base_url, resp_started, resp))]
     for t in threads:
         t.start()
-    assert raw_started.wait(60) and sdk_started.wait(60), "the streams never started"
+    assert raw_started.wait(60) and sdk_started.wait(60) and resp_started.wait(60), "the streams never started"
     os.kill(child_pid(mesh, "gateway"), signal.SIGTERM)
     t0 = time.monotonic()
     time.sleep(0.5)
@@ -94,4 +112,12 @@ def test_sigterm_ends_open_streams_with_a_retry_event_at_the_grace(mesh: Mesh) -
     err = sdk["error"]
     assert isinstance(err, openai.APIError) and not isinstance(err, openai.APIConnectionError), repr(err)
     assert "retry" in str(err) and sdk["texts"]
+    assert "error" not in resp, resp.get("error")
+    revents = resp["events"]
+    assert isinstance(revents, list)
+    assert [e["type"] for e in revents[-2:]] == ["error", "response.failed"]
+    assert revents[-2]["code"] == "server_shutting_down" and "retry" in str(revents[-2]["message"])
+    failed = revents[-1]["response"]
+    assert isinstance(failed, dict) and failed["status"] == "failed" and failed["output"]  # the text so far
+    assert [e["sequence_number"] for e in revents] == list(range(len(revents)))
     assert took < 20, "the streams ran to their end instead of being cut at the grace"

@@ -43,7 +43,16 @@ from embedmesh.gateway.pieces_body import generate
 from embedmesh.gateway.requests import parse
 from embedmesh.gateway.requests.responses import ResponsesRequest
 from embedmesh.gateway.response_store import ResponseStore, Stored
-from embedmesh.gateway.responses_shape import Turn, item_ids, new_id, renamed, stream_events, to_chat
+from embedmesh.gateway.responses_shape import (
+    Events,
+    Turn,
+    cut_events,
+    item_ids,
+    new_id,
+    renamed,
+    stream_events,
+    to_chat,
+)
 from embedmesh.gateway.sse import DisconnectWatcher, EventStream
 from embedmesh.gateway.translate import chat_params
 from embedmesh.inference.v1 import inference_pb2
@@ -240,7 +249,9 @@ class _Responses:
             watcher.stop()
             raise ApiError(502, "the inference service ended the stream without a result", code="empty_stream",
                            type_="server_error")
-        return EventStream(stream_events(turn, call, first, origins, finished), call, watcher)
+        ev = Events()
+        return EventStream(stream_events(turn, call, first, origins, finished, ev), call, watcher,
+                           cut=cut_events(turn, ev))
 
     async def _background(self, tenant: str, turn: Turn, params: Any, blobs: list[bytes], origins: list[Any],
                           conversation: list[dict[str, Any]]) -> None:

@@ -242,7 +242,9 @@ class Turn:
         return msg
 
 
-class _Events:
+class Events:
+    """The Responses stream's events, numbered by ``sequence_number`` in the order they are written."""
+
     def __init__(self) -> None:
         self.seq = 0
 
@@ -252,11 +254,25 @@ class _Events:
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
+def cut_events(turn: Turn, ev: Events) -> Callable[[ApiError], bytes]:
+    """The last events of a stream the gateway's shutdown cuts (``sse.EventStream``'s ``cut``): an ``error`` event
+    and ``response.failed`` with what was generated so far, numbered after the events already written."""
+
+    def cut(err: ApiError) -> bytes:
+        failure = {"code": err.code or "server_error", "message": err.message}
+        response = turn.json("failed", turn.output() if turn.text else [], failure)
+        return (ev("error", code=err.code, message=err.message, param=err.param)
+                + ev("response.failed", response=response))
+
+    return cut
+
+
 async def stream_events(turn: Turn, call: Any, first: Any, origins: list[Origin],
-                        finished: Callable[[str, dict[str, Any]], Awaitable[None]]) -> AsyncIterator[bytes]:
+                        finished: Callable[[str, dict[str, Any]], Awaitable[None]],
+                        ev: Events | None = None) -> AsyncIterator[bytes]:
     """gRPC chat deltas -> the Responses stream; ``finished(status, response)`` runs before the last event (the
-    route stores the response there)."""
-    ev = _Events()
+    route stores the response there). ``ev`` numbers the events (pass the one ``cut_events`` numbers with)."""
+    ev = ev or Events()
     yield ev("response.created", response=turn.json("in_progress"))
     yield ev("response.in_progress", response=turn.json("in_progress"))
     mid = turn.message_id
@@ -295,7 +311,7 @@ async def stream_events(turn: Turn, call: Any, first: Any, origins: list[Origin]
     yield ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)
 
 
-async def _close_items(ev: _Events, turn: Turn, started: bool) -> AsyncIterator[bytes]:
+async def _close_items(ev: Events, turn: Turn, started: bool) -> AsyncIterator[bytes]:
     """The ``.done`` events of the message, and each function call's events (calls arrive whole)."""
     mid = turn.message_id
     index = 0
