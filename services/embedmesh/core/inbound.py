@@ -35,10 +35,16 @@ from embedmesh.core.errors import InvalidArgument, ResourceExhausted, Unavailabl
 
 __all__ = ["BadMessage", "safe_deserializer", "bad_message", "checked_stream", "first_message", "drain",
            "open_message", "peer_address", "DRAIN_MESSAGES", "DRAIN_SECONDS", "OPEN_MESSAGE_BYTES",
-           "OPEN_READS_PER_ADDRESS", "OPEN_READ_SECONDS"]
+           "OPEN_READS_PER_ADDRESS", "OPEN_READ_SECONDS", "UPLOAD_IDLE_SECONDS", "IDLE_BOUND_STREAMS"]
 
 DRAIN_MESSAGES = 4096
 DRAIN_SECONDS = 10.0
+UPLOAD_IDLE_SECONDS = 30.0
+IDLE_BOUND_STREAMS = {"/embedmesh.cache.v1.EncoderCacheService/Put": "chunk"}
+"""Client streams that are uploads with an end, outside the pieces streams (which ``core.pieces`` bounds alike),
+with the field their messages fill: each message arrives within ``UPLOAD_IDLE_SECONDS`` of the one before, or the
+call is refused (an authenticated upload that goes silent would hold its tenant's slot until the client's own
+deadline). Long-lived streams (a worker's registration, the multiplexed mesh streams) are not bounded."""
 OPEN_MESSAGE_BYTES = 4096
 """An open method's request (a health check names a service: tens of bytes), at most."""
 OPEN_READS_PER_ADDRESS = 2
@@ -77,7 +83,22 @@ def bad_message(method: str, m: BadMessage) -> InvalidArgument:
 
 
 async def checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
-    async for r in requests:
+    """The stream's messages, unparsable ones refused; an upload of ``IDLE_BOUND_STREAMS`` that goes silent for
+    ``UPLOAD_IDLE_SECONDS`` is refused INVALID_ARGUMENT ``IDLE_TIMEOUT`` naming its field."""
+    field = IDLE_BOUND_STREAMS.get(method)
+    it = aiter(requests)
+    while True:
+        try:
+            if field is None:
+                r = await anext(it)
+            else:
+                async with asyncio.timeout(UPLOAD_IDLE_SECONDS):
+                    r = await anext(it)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise InvalidArgument(f"{field}: nothing arrived for {UPLOAD_IDLE_SECONDS:g} s; send the upload without "
+                                  "pausing", field=field, reason="IDLE_TIMEOUT") from None
         if isinstance(r, BadMessage):
             raise bad_message(method, r)
         yield r

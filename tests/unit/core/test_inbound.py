@@ -167,6 +167,37 @@ async def test_an_unauthenticated_upload_that_never_ends_is_refused_at_once(keys
         await server.drain()
 
 
+async def test_an_authenticated_upload_that_goes_silent_is_refused_naming_its_field(
+        keys: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keyed Put that sends its header and then nothing, never ending: INVALID_ARGUMENT IDLE_TIMEOUT naming
+    ``chunk`` after the idle bound (set here to 0.3 s), not held until the client's own deadline."""
+    from embedmesh.core.errors import from_rpc_error
+
+    monkeypatch.setattr(inbound, "UPLOAD_IDLE_SECONDS", 0.3)
+    server = Server("upload", ServerOptions(port=0, grace_seconds=0.2, public=True))
+    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, _Cache(),
+               "embedmesh.cache.v1.EncoderCacheService", access=Access.PUBLIC)
+    await server.start()
+    ch = insecure_channel(server.address)
+
+    async def silent() -> AsyncIterator[cache_pb2.PutRequest]:
+        yield cache_pb2.PutRequest(header=cache_pb2.PutHeader())
+        yield cache_pb2.PutRequest(chunk=b"\0" * 1024)
+        await asyncio.Event().wait()
+        yield cache_pb2.PutRequest()
+
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await cache_pb2_grpc.EncoderCacheServiceStub(ch).Put(
+                silent(), metadata=(("authorization", "Bearer ka-12345678"),), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        err = from_rpc_error(info.value)
+        assert (err.field, err.reason) == ("chunk", "IDLE_TIMEOUT"), err
+    finally:
+        await ch.close()
+        await server.drain()
+
+
 def test_a_unary_call_that_ends_without_its_message_is_invalid_argument() -> None:
     async def empty() -> AsyncIterator[Any]:
         return
