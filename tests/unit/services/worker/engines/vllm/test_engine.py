@@ -30,6 +30,7 @@ from embedmesh.services.worker.engines.base import (  # noqa: E402
 from embedmesh.services.worker.engines.vllm.engine import VLLMConfig, VLLMEngine  # noqa: E402
 from embedmesh.services.worker.engines.vllm.kv_events import KvEventTranslator, Stored  # noqa: E402
 from embedmesh.services.worker.engines.vllm.metrics import MetricsRecorder  # noqa: E402
+from embedmesh.services.worker.engines.vllm.resume import ResumedText  # noqa: E402
 from tests.unit.services.worker.engines.vllm.test_metrics import _PC, _Sched  # noqa: E402
 
 HIDDEN = 8
@@ -283,3 +284,53 @@ def test_openai_surface_maps_onto_vllm_and_back() -> None:
     assert entry.top == ((3, -0.1), (4, -0.2), (9, -3.0))
     prompt = _prompt_logprobs([None, {5: lp(-1.5, 3), 3: lp(-0.1, 1)}], [2, 5], 1)
     assert prompt[0].logprob is None and prompt[1].logprob == -1.5 and prompt[1].top == ((3, -0.1), (5, -1.5))
+
+
+def test_a_resumed_stream_follows_its_prompt_as_ids_or_as_embedding_rows() -> None:
+    """Ids after ids (vLLM's prefix cache and repetition penalty see them); after rows, the table's own rows."""
+    e, _ = engine(kv=True)
+    assert e.resumes is True
+    r = GenerationRequest("r1", [TokenSegment((1, 2))], SamplingParams(max_tokens=2), resumed=(7, 8))
+    assert e._prompt(r) == {"prompt_token_ids": [1, 2, 7, 8]}
+    assert e._kv is not None and e._kv._requests["r1"].sent_tokens == [1, 2, 7, 8]
+    rows = np.random.default_rng(1).standard_normal((3, HIDDEN)).astype(np.float32)
+    r = GenerationRequest("r2", [EmbedsSegment(rows)], SamplingParams(max_tokens=2), resumed=(7, 8))
+    prompt = e._prompt(r)["prompt_embeds"]
+    assert tuple(prompt.shape) == (5, HIDDEN) and np.array_equal(prompt[:3].numpy(), rows)
+    assert torch.equal(prompt[3:], e._embed_table[torch.tensor([7, 8])])
+
+
+def test_a_resumed_stream_vllm_cannot_continue_exactly_is_refused_before_vllm_sees_it() -> None:
+    e, fake = engine()
+    r = GenerationRequest("r1", [TokenSegment((1, 2))], SamplingParams(max_tokens=2, temperature=0.5, seed=4),
+                          resumed=(7,))
+
+    async def run() -> None:
+        async for _ in e.generate(r):
+            pass
+
+    with pytest.raises(FailedPrecondition) as err:
+        asyncio.run(run())
+    assert err.value.reason == "RESUME_UNSUPPORTED" and err.value.field == "seed"
+    assert fake.prompts == [] and e.stats().active_requests == 0
+
+
+def test_a_stop_string_found_in_a_resumed_stream_ends_it_and_aborts_vllm() -> None:
+    from tests.unit.services.worker.engines.vllm.test_resume import CharDetok
+
+    e, fake = engine()
+    r = GenerationRequest("r1", [TokenSegment((9,))], SamplingParams(max_tokens=6, stop=(" on the",)),
+                          resumed=(1, 2, 3))
+    e._resumed_text = lambda request, prompt: ResumedText(CharDetok([" on the"]), request.resumed)  # type: ignore
+    fake.script = [_Output([_Completion("", [4])]), _Output([_Completion("", [5, 6])]),
+                   _Output([_Completion("", [7], "length")], True)]
+
+    async def run() -> list[Any]:
+        return [d async for d in e.generate(r)]
+
+    deltas = asyncio.run(run())
+    # the client had "The c" (6 characters held for the 7 of the stop string): the rest comes first, the stop
+    # string is cut off, the id completing it is the last
+    assert "The c" + "".join(d.text for d in deltas) == "The cat sat" and deltas[-1].finish_reason is FinishReason.STOP
+    assert [t for d in deltas for t in d.token_ids] == [4, 5] and deltas[-1].completion_tokens == 2
+    assert fake.aborted == ["r1"] and e.stats().completed_requests == 1 and e.stats().aborted_requests == 0
