@@ -101,8 +101,9 @@ async def test_the_servicer_says_which_engines_resume_and_refuses_the_others() -
     with pytest.raises(FailedPrecondition) as e:
         [r async for r in no.Generate(req, None)]
     assert e.value.reason == "RESUME_UNSUPPORTED"
-    # vLLM and SGLang do not resume: a migrated stream never reaches them (the preprocessor picks by GetInfo).
+    # SGLang does not resume: a migrated stream never reaches it (the preprocessor picks by GetInfo). vLLM does,
+    # refusing per request what it cannot continue exactly (tests/unit/services/worker/engines/vllm/test_resume.py).
     from embedmesh.services.worker.engines.sglang.engine import SGLangEngine
     from embedmesh.services.worker.engines.vllm.engine import VLLMEngine
 
-    assert not VLLMEngine.resumes and not SGLangEngine.resumes
+    assert VLLMEngine.resumes and not SGLangEngine.resumes
