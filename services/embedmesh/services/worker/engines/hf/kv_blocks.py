@@ -44,12 +44,15 @@ def build_past(torch: Any, pasts: list[list[Any]], device: Any) -> tuple[Any, An
     layers, _, heads, block, dim = sample.shape
     lengths = [len(row) * block for row in pasts]
     width = max(lengths)
-    past = torch.zeros(layers, 2, len(pasts), heads, width, dim, dtype=sample.dtype, device=device)
+    rows = []
+    for row, n in zip(pasts, lengths, strict=True):
+        t = torch.cat(row, dim=3) if row else sample.new_zeros(layers, 2, heads, 0, dim)
+        rows.append(torch.nn.functional.pad(t, (0, 0, width - n, 0)) if n < width else t)
+    past = torch.stack(rows, dim=2) if len(rows) > 1 else rows[0].unsqueeze(2)
     mask = torch.zeros(len(pasts), width, dtype=torch.long, device=device)
-    for i, row in enumerate(pasts):
-        if row:
-            past[:, :, i, :, width - lengths[i]:] = torch.cat(row, dim=3)
-            mask[i, width - lengths[i]:] = 1
+    for i, n in enumerate(lengths):
+        if n:
+            mask[i, width - n:] = 1
     cache = DynamicCache()
     for layer in range(layers):
         cache.update(past[layer, 0], past[layer, 1], layer)
