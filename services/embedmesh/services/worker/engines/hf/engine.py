@@ -45,7 +45,7 @@ from embedmesh.services.worker.engines.base import (
 from embedmesh.services.worker.engines.hf.detok import IncrementalDetokenizer
 from embedmesh.services.worker.engines.hf.kv_blocks import PrefixReuse
 from embedmesh.services.worker.engines.hf.lora import LoraAdapters
-from embedmesh.services.worker.engines.hf.prefix_cache import PrefixCache
+from embedmesh.services.worker.engines.hf.prefix_cache import PrefixCache, PrefixCacheCollector
 from embedmesh.services.worker.engines.hf.runner import HFEngineConfig, ModelRunner
 from embedmesh.services.worker.engines.hf.sampler import GREEDY_BELOW, Sampler
 from embedmesh.services.worker.engines.hf.scheduler import Scheduler
@@ -260,6 +260,10 @@ class HFEngine(Engine, KvEventSource):
 
     def kv_snapshot(self) -> list[KvEvent]:
         return self.prefix_cache.snapshot()
+
+    def metrics_collector(self, worker_id: str) -> PrefixCacheCollector | None:
+        """The prefix cache's hits, blocks and bytes (``embedmesh_hf_prefix_*``) while it is on."""
+        return PrefixCacheCollector(self.prefix_cache, worker_id) if self.prefix_cache.enabled else None
 
     def _publish(self, events: list[KvEvent]) -> None:
         """From any thread (the engine thread stores and evicts): the listeners get the events on the event loop,

@@ -31,7 +31,7 @@ from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
 from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored
 from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
 
-__all__ = ["PrefixCache", "request_hashes"]
+__all__ = ["PrefixCache", "PrefixCacheCollector", "request_hashes"]
 
 Sink = Callable[[list[KvEvent]], None]
 
@@ -189,3 +189,37 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
         else:
             runs.append((parent, [h]))
     return runs
+
+
+class PrefixCacheCollector:
+    """The prefix cache's figures for Prometheus, read at scrape time: prompt positions looked up and found, blocks
+    stored and removed (counters); blocks and bytes held (gauges)."""
+
+    def __init__(self, cache: PrefixCache, worker_id: str) -> None:
+        self.cache = cache
+        self.worker_id = worker_id
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c, wid = self.cache, self.worker_id
+        for name, doc, value in (
+            ("embedmesh_hf_prefix_lookup_tokens", "Prompt positions looked up in the hf prefix cache",
+             c.counters["lookup_tokens"]),
+            ("embedmesh_hf_prefix_hit_tokens", "Prompt positions found in the hf prefix cache (not prefilled)",
+             c.counters["hit_tokens"]),
+            ("embedmesh_hf_prefix_stored_blocks", "KV blocks stored (published as stored)",
+             c.counters["stored_blocks"]),
+            ("embedmesh_hf_prefix_removed_blocks", "KV blocks evicted or dropped (published as removed)",
+             c.counters["removed_blocks"]),
+        ):
+            m = CounterMetricFamily(name, doc, labels=["worker_id"])
+            m.add_metric([wid], value)
+            yield m
+        for name, doc, value in (
+            ("embedmesh_hf_prefix_blocks", "KV blocks the hf prefix cache holds", len(c)),
+            ("embedmesh_hf_prefix_bytes", "Bytes of KV the hf prefix cache holds", c.nbytes),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["worker_id"])
+            g.add_metric([wid], value)
+            yield g

@@ -96,3 +96,27 @@ def test_request_hashes_are_the_routers_chain() -> None:
     req.lora_adapter = "ad"
     assert request_hashes(req, 4) == adapter_block_hashes(block_hashes([ids, rows, (7, 8)], 4), "ad")
     assert request_hashes(req, 4) != block_hashes([ids, rows, (7, 8)], 4)
+
+
+def test_the_collector_reads_the_figures_at_scrape_time() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from embedmesh.services.worker.engines.hf.prefix_cache import PrefixCacheCollector
+
+    cache, _ = _cache(8)
+    registry = CollectorRegistry()
+    registry.register(PrefixCacheCollector(cache, "w1"))
+    cache.store([1, 2, 3], 0, ["1", "2", "3"], nbytes=100)
+    cache.lookup([1, 2, 9], 9, 12)
+    held = generate_latest(registry).decode()
+    assert 'embedmesh_hf_prefix_blocks{worker_id="w1"} 3.0' in held
+    assert 'embedmesh_hf_prefix_bytes{worker_id="w1"} 300.0' in held
+    cache.drop_adapter("")
+    text = generate_latest(registry).decode()
+    for line in ('embedmesh_hf_prefix_lookup_tokens_total{worker_id="w1"} 12.0',
+                 'embedmesh_hf_prefix_hit_tokens_total{worker_id="w1"} 8.0',
+                 'embedmesh_hf_prefix_stored_blocks_total{worker_id="w1"} 3.0',
+                 'embedmesh_hf_prefix_removed_blocks_total{worker_id="w1"} 3.0',
+                 'embedmesh_hf_prefix_blocks{worker_id="w1"} 0.0',
+                 'embedmesh_hf_prefix_bytes{worker_id="w1"} 0.0'):
+        assert line in text, line

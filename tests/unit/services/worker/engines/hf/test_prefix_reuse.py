@@ -107,6 +107,10 @@ async def test_a_shared_prefix_prefills_only_its_suffix_and_greedy_text_is_uncha
     before = _hit(engine)
     assert _ids_of(await _run(engine, [TokenSegment(a)])) == first_a
     assert _hit(engine) - before == (len(a) - 1) // BLOCK * BLOCK
+    # The worker registers the engine as a KV event source and exports the cache's figures.
+    assert engine.kv_event_source() is engine
+    names = {m.name for m in engine.metrics_collector("w").collect()}
+    assert {"embedmesh_hf_prefix_hit_tokens", "embedmesh_hf_prefix_blocks"} <= names
 
 
 async def test_embedding_rows_are_keyed_by_content_and_reuse_gives_the_same_text(engine: Any) -> None:
