@@ -7,7 +7,7 @@ not delay B's client:
 - ``flood``: tenant A sends completions as fast as 16 kept-alive connections allow (past its limits: 429s);
 - ``strangers``: 300 connections without a key from another address (127.0.0.2), each sending a header line every
   2 s, reconnecting 1 s after it is closed (capped per IP: ``gateway/client_caps.py``);
-- ``endless streams``: CompleteChunks streams on the preprocessor's public port announcing a tensor and never
+- ``endless streams``: Generate pieces streams on the preprocessor's public port announcing a tensor and never
   sending it nor ending, 32 with A's key (held to the pieces idle timeout or refused at A's limit) and 32 without a
   key (refused at once), each reopened when it ends.
 
@@ -155,7 +155,7 @@ async def _endless(preprocessor: str, got: collections.Counter[int]) -> None:
     params = inference_pb2.CompletionParams(model="mocker", prompt_embeds=[inference_pb2.PromptEmbeds(
         tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[8, 576]))])
     params.sampling.max_tokens = 4
-    first = inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=params))
+    first = inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(completion=params))
 
     async def one(stub: inference_pb2_grpc.InferenceServiceStub, key: str) -> None:
         md = (("authorization", f"Bearer {key}"),) if key else ()
@@ -165,7 +165,8 @@ async def _endless(preprocessor: str, got: collections.Counter[int]) -> None:
                 await asyncio.Event().wait()
 
             try:
-                await stub.CompleteChunks(never_ends(), metadata=md, timeout=120)
+                async for _ in stub.Generate(never_ends(), metadata=md, timeout=120):
+                    pass
                 got[0] += 1
             except grpc.aio.AioRpcError as e:
                 got[e.code().value[0]] += 1

@@ -1,6 +1,6 @@
 """Embeddings ingest through the clients, side by side in one run (echo engine: no model, max_tokens=1):
 the official openai SDK (base64 of torch.save in JSON, through the gateway; the baseline) vs the Python gRPC
-client sending raw bytes (CompleteChunks in 1 MiB pieces from 1 MiB up, streamed through to the worker from 8 MiB
+client sending raw bytes (Generate rows in 1 MiB pieces from 1 MiB up, streamed through to the worker from 8 MiB
 up; one message below) and uploading in 1 MiB chunks then completing by id.
 
     python bench/bench_clients.py [--quick]

@@ -89,12 +89,11 @@ async def _rest_run(address: str, n: int, pids: dict[str, Any]) -> dict[str, flo
 
 async def _mesh_run(address: str, request: Any, n: int, pids: dict[str, str]) -> dict[str, float]:
     import grpc
-
-    from embedmesh.inference.v1 import inference_pb2_grpc
+    import mesh_generate
 
     async with grpc.aio.insecure_channel(address) as ch:
-        stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        return await measure(lambda: stub.Complete(request), n, pids)
+        generate = mesh_generate.one_message(ch)
+        return await measure(lambda: mesh_generate.whole(generate(request)), n, pids)
 
 
 COLUMNS = ["server", *ORDER, "client"]
@@ -125,7 +124,9 @@ def main() -> int:
 
     params = inference_pb2.CompletionParams(model="echo", prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
     params.sampling.max_tokens = 1
-    request = inference_pb2.CompleteRequest(params=params)
+    import mesh_generate
+
+    request = mesh_generate.request_bytes(params)
     small = inference_pb2.CompleteResponse(id="cmpl-0", model="echo",
                                            choices=[inference_pb2.Choice(index=0, text="x")]).SerializeToString()
     print(f"CPU per request, ms (user + system over {n} sequential requests after a warm-up; 2 cores; prompt "

@@ -20,12 +20,12 @@ killed at the end (also on Ctrl-C, SIGTERM or an exception), on the same event l
 
 Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo", hidden size 576):
 
-  overhead  prompt [1,2,3], max_tokens=1, 1 and 32 concurrent clients: mesh gRPC (InferenceService.Complete) and
+  overhead  prompt [1,2,3], max_tokens=1, 1 and 32 concurrent clients: mesh gRPC (InferenceService.Generate) and
             REST (POST /v1/completions) vs L1 / L2. REST is driven by ``LightHttp`` (pre-built requests on
             keep-alive connections, responses parsed by httptools), since httpx costs the bench process more CPU
             per request than the bare route itself; the same two REST paths driven by httpx are printed beside them
             as context.
-  stream    64 concurrent streaming clients, max_tokens=256 each: StreamComplete and SSE (read by ``LightHttp``)
+  stream    64 concurrent streaming clients, max_tokens=256 each: a streamed Generate and SSE (read by ``LightHttp``)
             vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
             tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
@@ -67,6 +67,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 # before anything imports grpc: the bare limits, the load generator and the mesh run gRPC's core alike
 import embedmesh.core.grpc_runtime  # noqa: E402, F401, I001
+import mesh_generate  # noqa: E402
 from bench_mesh import drive, pct  # noqa: E402
 
 from embedmesh.core.server import run_service  # noqa: E402
@@ -365,7 +366,7 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
 
     from embedmesh.core.sampling import SamplingParams
     from embedmesh.core.server import channel_options
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
     from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
@@ -384,7 +385,7 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     params = inference_pb2.CompletionParams(model=MODEL, prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
     params.sampling.max_tokens = 1
-    greq = inference_pb2.CompleteRequest(params=params)
+    greq = mesh_generate.request_bytes(params)
     small = inference_pb2.CompleteResponse(
         id="cmpl-00000000000000000000000000000000", model=MODEL,
         choices=[inference_pb2.Choice(index=0, text="x")]).SerializeToString()
@@ -398,8 +399,8 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(emb.preprocessor, options=channel_options()) as ch_emb, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options()) as bare_ch:
-        stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        stub_emb = inference_pb2_grpc.InferenceServiceStub(ch_emb)
+        generate = mesh_generate.one_message(ch)
+        generate_emb = mesh_generate.one_message(ch_emb)
         hop = bare_ch.unary_unary(BARE_SERVICE + "Unary")
 
         def rest(name: str) -> Callable[[], Awaitable[None]]:
@@ -412,13 +413,13 @@ async def bench_overhead(mesh: Any, bare_grpc: BareServer, bare_http: BareServer
             return call
 
         async def mesh_grpc_emb() -> None:
-            await stub_emb.Complete(greq)
+            await mesh_generate.whole(generate_emb(greq))
 
         async def bare_grpc_call() -> None:
             await hop(small)
 
         async def mesh_grpc() -> None:
-            await stub.Complete(greq)
+            await mesh_generate.whole(generate(greq))
 
         async def bare_rest_httpx() -> None:
             r = await bare_h.post("/v1/completions", json=body)
@@ -539,7 +540,7 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     import orjson
 
     from embedmesh.core.server import channel_options
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
 
     print(f"\n(2) token streaming: {STREAM_CLIENTS} concurrent clients x {per_client} streams each x "
           f"{STREAM_TOKENS} tokens, echo engine; {n_rounds} interleaved rounds")
@@ -553,13 +554,13 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     sse_req = orjson.dumps({"n": STREAM_TOKENS, "event": sse_event.decode()})
     params = inference_pb2.CompletionParams(model=MODEL, prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
     params.sampling.max_tokens = STREAM_TOKENS
-    sreq = inference_pb2.StreamCompleteRequest(params=params)
+    sreq = mesh_generate.request_bytes(params, stream=True)
     body = orjson.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": STREAM_TOKENS, "stream": True})
     light_mesh, light_bare = LightHttp(mesh.base_url), LightHttp(bare_http.address)
     mesh_sse_req, bare_sse_req = light_mesh.post("/v1/completions", body), light_bare.post("/sse", sse_req)
     async with grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options()) as bare_ch:
-        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        generate = mesh_generate.one_message(ch)
         relay = bare_ch.unary_stream(BARE_SERVICE + "Stream")
 
         async def bare_grpc_stream() -> int:
@@ -570,8 +571,8 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
 
         async def mesh_grpc_stream() -> int:
             n = 0
-            async for m in stub.StreamComplete(sreq):
-                n += len(m.token_ids)
+            async for m in generate(sreq):
+                n += len(m.completion_chunk.token_ids)
             return n
 
         async def sse(client: LightHttp, request: bytes) -> int:
@@ -610,7 +611,7 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
             return counts, time.perf_counter() - t0
 
         paths = {"bare_grpc": ("L1 bare grpc.aio unary_stream relay", bare_grpc_stream),
-                 "mesh_grpc": ("mesh gRPC StreamComplete", mesh_grpc_stream),
+                 "mesh_grpc": ("mesh gRPC Generate (stream)", mesh_grpc_stream),
                  "bare_sse": ("L2 bare Starlette SSE relay", bare_sse),
                  "mesh_sse": ("mesh REST stream=true (SSE)", mesh_sse)}
         pooled = await rounds({k: (lambda fn=fn: closed_loop(fn)) for k, (_, fn) in paths.items()}, n_rounds)
@@ -679,7 +680,6 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     t = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[INGEST_ROWS, HIDDEN], data=raw)
     params = inference_pb2.CompletionParams(model=MODEL, prompt_embeds=[inference_pb2.PromptEmbeds(tensor=t)])
     params.sampling.max_tokens = 1
-    greq = inference_pb2.CompleteRequest(params=params)
     chunks = list(chunks_of(raw, MiB))
 
     def bare_decode() -> None:
@@ -701,17 +701,14 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     async with httpx.AsyncClient(base_url=mesh.base_url, timeout=300) as http, \
             grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch, \
             grpc.aio.insecure_channel(bare_grpc.address, options=channel_options(512 * MiB)) as bare_ch:
-        complete_raw = ch.unary_unary("/embedmesh.inference.v1.InferenceService/Complete", request_serializer=None,
-                                      response_deserializer=inference_pb2.CompleteResponse.FromString)
-        greq_bytes = greq.SerializeToString()
-        complete_chunks = ch.stream_unary("/embedmesh.inference.v1.InferenceService/CompleteChunks",
-                                          request_serializer=None,
-                                          response_deserializer=inference_pb2.CompleteResponse.FromString)
-        head = inference_pb2.CompleteRequest()
-        head.CopyFrom(greq)
-        head.params.prompt_embeds[0].tensor.ClearField("data")
-        chunk_msgs = [inference_pb2.CompleteChunksRequest(request=head).SerializeToString()] + [
-            inference_pb2.CompleteChunksRequest(rows=c).SerializeToString() for c in chunks]
+        complete_raw = mesh_generate.one_message(ch)
+        greq_bytes = mesh_generate.request_bytes(params)
+        complete_chunks = mesh_generate.pieces(ch)
+        head = inference_pb2.CompletionParams()
+        head.CopyFrom(params)
+        head.prompt_embeds[0].tensor.ClearField("data")
+        chunk_msgs = [mesh_generate.request_bytes(head)] + [
+            inference_pb2.GenerateRequest(rows=c).SerializeToString() for c in chunks]
         ingest = bare_ch.stream_unary(BARE_SERVICE + "Ingest")
         big = bare_ch.unary_unary(BARE_SERVICE + "Big")
 
@@ -724,11 +721,13 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
             assert struct.unpack("<Q", got)[0] == len(raw)
 
         async def mesh_grpc() -> None:
-            r = await complete_raw(greq_bytes)  # serialized before timing, as the bare limits' payloads are
+            r = await mesh_generate.whole(complete_raw(greq_bytes))  # serialized before timing, as the bare
+            # limits' payloads are
             assert r.usage.completion_tokens == 1
 
         async def mesh_grpc_chunks() -> None:
-            r = await complete_chunks(iter(chunk_msgs))  # built before timing, as the bare limits' payloads are
+            r = await mesh_generate.whole(complete_chunks(iter(chunk_msgs)))  # built before timing, as the bare
+            # limits' payloads are
             assert r.usage.completion_tokens == 1
 
         async def bare_http_decode() -> None:
@@ -752,7 +751,7 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
         paths = {"bare_chunked": ("L3 bare grpc stream_unary, 1 MiB chunks", bare_chunked),
                  "bare_one": ("L5 bare grpc unary, one 64 MiB message", bare_one),
                  "mesh_grpc": ("mesh gRPC raw Tensor bytes, one message", mesh_grpc),
-                 "mesh_grpc_chunks": ("mesh gRPC CompleteChunks, 1 MiB pieces", mesh_grpc_chunks),
+                 "mesh_grpc_chunks": ("mesh gRPC Generate, 1 MiB pieces", mesh_grpc_chunks),
                  "bare_http_decode": ("L6 bare Starlette route: body + L4's work", bare_http_decode),
                  "mesh_rest": ("mesh REST base64 torch.save", mesh_rest),
                  "mesh_rest_httpx": ("  the same sent by httpx (context)", mesh_rest_httpx)}
@@ -795,9 +794,10 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
     goals = {
         "grpc_ingest_pct_of_bare_chunked": goal_line("grpc_ingest_pct_of_bare_chunked",
                                                      res["mesh_grpc_chunks"]["pct_of_limit"], "% of L3",
-                                                     "CompleteChunks"),
+                                                     "Generate pieces"),
         "grpc_one_message_ingest_pct_of_bare_chunked": goal_line(
-            "grpc_one_message_ingest_pct_of_bare_chunked", res["mesh_grpc"]["pct_of_limit"], "% of L3", "Complete"),
+            "grpc_one_message_ingest_pct_of_bare_chunked", res["mesh_grpc"]["pct_of_limit"], "% of L3",
+            "Generate, one message"),
         "rest_ingest_pct_of_bare_decode": goal_line("rest_ingest_pct_of_bare_decode",
                                                     res["mesh_rest"]["pct_of_limit"], "% of L4"),
     }

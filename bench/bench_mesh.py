@@ -24,6 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mesh_generate  # noqa: E402
+
 from tests.support.mesh import start_mesh  # noqa: E402
 
 MODEL_ECHO = "echo"
@@ -61,7 +63,7 @@ async def bench_overhead(total: int) -> None:
     import httpx
 
     from embedmesh.core.sampling import SamplingParams
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
     from embedmesh.services.worker.engines.echo.engine import EchoEngine
 
@@ -80,18 +82,18 @@ async def bench_overhead(total: int) -> None:
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=mesh.base_url, limits=limits, timeout=60) as http, \
                 grpc.aio.insecure_channel(mesh.preprocessor) as ch:
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
             params = inference_pb2.CompletionParams(model=MODEL_ECHO,
                                                     prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
             params.sampling.max_tokens = 1
-            greq = inference_pb2.CompleteRequest(params=params)
+            greq = mesh_generate.request_bytes(params)
+            generate = mesh_generate.one_message(ch)
 
             async def rest() -> None:
                 r = await http.post("/v1/completions", json=body)
                 assert r.status_code == 200, r.text
 
             async def grpc_entry() -> None:
-                await stub.Complete(greq)
+                await mesh_generate.whole(generate(greq))
 
             for c in (1, 32):
                 base_lat, base_wall = await drive(in_process, c, total)
@@ -113,7 +115,7 @@ async def bench_ingest(repeats: int) -> None:
     import torch
 
     from embedmesh.core.server import channel_options
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
     from embedmesh.tensor.v1 import tensor_pb2
 
     rows, hidden = 8000, 576
@@ -126,7 +128,6 @@ async def bench_ingest(repeats: int) -> None:
     try:
         async with httpx.AsyncClient(base_url=mesh.base_url, timeout=120) as http, \
                 grpc.aio.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
             async def rest() -> None:
                 # Client side included: base64 + JSON, as the openai SDK does it.
@@ -143,7 +144,7 @@ async def bench_ingest(repeats: int) -> None:
                 params = inference_pb2.CompletionParams(model=MODEL_ECHO,
                                                         prompt_embeds=[inference_pb2.PromptEmbeds(tensor=t)])
                 params.sampling.max_tokens = 1
-                await stub.Complete(inference_pb2.CompleteRequest(params=params))
+                await mesh_generate.complete(ch, params)
 
             results = {}
             for name, fn in (("REST base64 torch.save (baseline)", rest), ("gRPC raw Tensor bytes", raw)):
@@ -162,7 +163,7 @@ async def bench_tokens(max_tokens: int) -> None:
     import grpc
 
     from embedmesh.core.sampling import SamplingParams
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
     from embedmesh.models import DEFAULT_MODEL, ensure_default_model
     from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
     from embedmesh.services.worker.engines.hf.engine import HFEngine, HFEngineConfig
@@ -192,7 +193,6 @@ async def bench_tokens(max_tokens: int) -> None:
     mesh = start_mesh(engine="hf")
     try:
         async with grpc.aio.insecure_channel(mesh.preprocessor) as ch:
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
             async def through_mesh() -> int:
                 params = inference_pb2.CompletionParams(model=DEFAULT_MODEL,
@@ -200,7 +200,7 @@ async def bench_tokens(max_tokens: int) -> None:
                 params.sampling.max_tokens = max_tokens
                 params.sampling.temperature = 0
                 params.sampling.ignore_eos = True
-                r = await stub.Complete(inference_pb2.CompleteRequest(params=params))
+                r = await mesh_generate.complete(ch, params)
                 return r.usage.completion_tokens
 
             for c in (1, 8):

@@ -22,6 +22,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mesh_generate  # noqa: E402
+
 from tests.support.mesh import free_port, start_mesh  # noqa: E402
 
 CACHE = Path(os.environ.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
@@ -112,7 +114,7 @@ async def mesh(model: str, tokens: int) -> tuple[dict[str, float], dict[str, flo
     import grpc
 
     from embedmesh.common.v1 import common_pb2
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2
     from embedmesh.tensor.v1 import tensor_pb2
     from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -122,7 +124,6 @@ async def mesh(model: str, tokens: int) -> tuple[dict[str, float], dict[str, flo
     m = start_mesh(engine="vllm", timeout=400, extra_args=["--embed-worker-port", "0", "--vector-store-port", "0"])
     try:
         async with grpc.aio.insecure_channel(m.preprocessor) as ch:
-            stub = inference_pb2_grpc.InferenceServiceStub(ch)
 
             async def one(embeds: bool = False) -> int:
                 p = inference_pb2.CompletionParams(model="SmolLM2-135M-Instruct")
@@ -131,7 +132,7 @@ async def mesh(model: str, tokens: int) -> tuple[dict[str, float], dict[str, flo
                 else:
                     p.prompt_token_ids.append(inference_pb2.TokenIds(ids=PROMPT))
                 p.sampling.CopyFrom(sampling)
-                return (await stub.Complete(inference_pb2.CompleteRequest(params=p))).usage.completion_tokens
+                return (await mesh_generate.complete(ch, p)).usage.completion_tokens
 
             via_mesh = {f"ids/{c}": await rate(one, c) for c in (1, 8)}
             via_mesh.update({f"embeds/{c}": await rate(lambda: one(True), c) for c in (1, 8)})

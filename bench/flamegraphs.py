@@ -1,10 +1,10 @@
 """Flame graphs (py-spy, SVG) of the mesh's services under three loads, for docs/perf/:
 
     rest     REST /v1/completions, prompt [1,2,3], max_tokens=1, 1 client          (gateway, preprocessor, worker)
-    ingest   gRPC Complete with a 64 MiB float32 prompt_embeds tensor, max_tokens=1  (preprocessor, worker)
-    chunks   the same tensor as a CompleteChunks stream of 1 MiB pieces               (preprocessor, worker)
+    ingest   gRPC Generate with a 64 MiB float32 prompt_embeds tensor, max_tokens=1 (preprocessor, worker)
+    chunks   the same tensor as a Generate pieces stream of 1 MiB pieces           (preprocessor, worker)
     restingest  REST /v1/completions with the same tensor as base64 torch.save     (gateway, preprocessor, worker)
-    stream   64 concurrent gRPC StreamComplete streams of 256 tokens                 (preprocessor, worker)
+    stream   64 concurrent streamed gRPC Generate calls of 256 tokens               (preprocessor, worker)
 
 on an echo-engine mesh (no model time). Needs py-spy (pip install py-spy) and permission to attach (root here).
 
@@ -58,14 +58,11 @@ async def _rest(mesh: object, stop: float) -> int:
     return n
 
 
-def _stub(mesh: object) -> object:
+def _channel(mesh: object) -> object:
     import grpc
 
-    from embedmesh.inference.v1 import inference_pb2_grpc
-
-    ch = grpc.aio.insecure_channel(mesh.preprocessor, options=[  # type: ignore[attr-defined]
+    return grpc.aio.insecure_channel(mesh.preprocessor, options=[  # type: ignore[attr-defined]
         ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
-    return inference_pb2_grpc.InferenceServiceStub(ch)
 
 
 async def _ingest(mesh: object, stop: float) -> int:
@@ -73,20 +70,25 @@ async def _ingest(mesh: object, stop: float) -> int:
     from embedmesh.tensor.v1 import tensor_pb2
 
     rows = np.random.default_rng(0).standard_normal((29127, 576)).astype("<f4")
-    req = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model="echo", prompt_embeds=[
+    import mesh_generate
+
+    params = inference_pb2.CompletionParams(model="echo", prompt_embeds=[
         inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=list(rows.shape),
-                                                            data=rows.tobytes()))]))
-    req.params.sampling.max_tokens = 1
-    stub = _stub(mesh)
+                                                            data=rows.tobytes()))])
+    params.sampling.max_tokens = 1
+    req = mesh_generate.request_bytes(params)
+    channel = _channel(mesh)
+    call = mesh_generate.one_message(channel)
     n = 0
     while time.monotonic() < stop:
-        await stub.Complete(req, timeout=120)  # type: ignore[attr-defined]
+        await mesh_generate.whole(call(req, timeout=120))
         n += 1
+    await channel.close()
     return n
 
 
 async def _chunks(mesh: object, stop: float) -> int:
-    """The same 64 MiB tensor as ``_ingest``, sent as a CompleteChunks stream of 1 MiB pieces (streamed through to
+    """The same 64 MiB tensor as ``_ingest``, sent as a Generate pieces stream of 1 MiB pieces (streamed through to
     the worker as it arrives)."""
     import grpc
 
@@ -95,46 +97,51 @@ async def _chunks(mesh: object, stop: float) -> int:
 
     rows = np.random.default_rng(0).standard_normal((29127, 576)).astype("<f4")
     raw = rows.tobytes()
-    head = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model="echo", prompt_embeds=[
-        inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=list(rows.shape)))]))
-    head.params.sampling.max_tokens = 1
-    messages = [inference_pb2.CompleteChunksRequest(request=head).SerializeToString()] + [
-        inference_pb2.CompleteChunksRequest(rows=raw[i:i + (1 << 20)]).SerializeToString()
+    import mesh_generate
+
+    head = inference_pb2.CompletionParams(model="echo", prompt_embeds=[
+        inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=list(rows.shape)))])
+    head.sampling.max_tokens = 1
+    messages = [mesh_generate.request_bytes(head)] + [
+        inference_pb2.GenerateRequest(rows=raw[i:i + (1 << 20)]).SerializeToString()
         for i in range(0, len(raw), 1 << 20)]
     channel = grpc.aio.insecure_channel(mesh.preprocessor)  # type: ignore[attr-defined]
-    call = channel.stream_unary("/embedmesh.inference.v1.InferenceService/CompleteChunks", request_serializer=None,
-                                response_deserializer=inference_pb2.CompleteResponse.FromString)
+    call = mesh_generate.pieces(channel)
     n = 0
     while time.monotonic() < stop:
-        await call(iter(messages), timeout=120)
+        await mesh_generate.whole(call(iter(messages), timeout=120))
         n += 1
     await channel.close()
     return n
 
 
 async def _stream(mesh: object, stop: float) -> int:
+    import mesh_generate
+
     from embedmesh.inference.v1 import inference_pb2
 
-    stub = _stub(mesh)
-    req = inference_pb2.StreamCompleteRequest(params=inference_pb2.CompletionParams(
-        model="echo", prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])]))
-    req.params.sampling.max_tokens = 256
+    params = inference_pb2.CompletionParams(model="echo", prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
+    params.sampling.max_tokens = 256
+    req = mesh_generate.request_bytes(params, stream=True)
+    channel = _channel(mesh)
+    call = mesh_generate.one_message(channel)
     count = 0
 
     async def client() -> None:
         nonlocal count
         while time.monotonic() < stop:
-            async for _ in stub.StreamComplete(req, timeout=120):  # type: ignore[attr-defined]
+            async for _ in call(req, timeout=120):
                 pass
             count += 1
 
     await asyncio.gather(*(client() for _ in range(64)))
+    await channel.close()
     return count
 
 
 async def _restingest(mesh: object, stop: float) -> int:
     """REST /v1/completions with the same 64 MiB tensor as base64 torch.save (what the openai SDK sends): from the
-    gateway as CompleteChunks pieces, or as one message with EMBEDMESH_GATEWAY_PIECES_MIN_BYTES=0."""
+    gateway as Generate pieces, or as one message with EMBEDMESH_GATEWAY_PIECES_MIN_BYTES=0."""
     import base64
     import io
 

@@ -21,6 +21,7 @@ from embedmesh.core.wire import varint as _varint
 from embedmesh.gateway import client_caps
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
+from tests.support import generate as gen
 from tests.support.mesh import Mesh, start_mesh
 from tests.support.procmem import hwm_mib as _hwm_mib
 
@@ -57,8 +58,7 @@ def _complete(amesh: Mesh, key: str = "") -> inference_pb2.CompleteResponse:
     params.sampling.max_tokens = 2
     md = [("authorization", f"Bearer {key}")] if key else []
     with grpc.insecure_channel(amesh.preprocessor, options=OPTS) as ch:
-        return inference_pb2_grpc.InferenceServiceStub(ch).Complete(
-            inference_pb2.CompleteRequest(params=params), metadata=md, timeout=60)
+        return gen.complete(inference_pb2_grpc.InferenceServiceStub(ch), params, metadata=md, timeout=60)
 
 
 def test_a_message_without_a_key_is_refused_before_the_preprocessor_reads_it(amesh: Mesh) -> None:
@@ -67,11 +67,13 @@ def test_a_message_without_a_key_is_refused_before_the_preprocessor_reads_it(ame
     before = _hwm_mib(pid)
     bomb = b"\xfa\x3f" + _varint(128 << 20) + bytes(128 << 20)  # unknown field 1023: 128 MiB of zeros
     with grpc.insecure_channel(amesh.preprocessor, options=OPTS) as ch:
-        call = ch.unary_unary("/embedmesh.inference.v1.InferenceService/Complete",
-                              request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        for _ in range(3):
+        embed = ch.unary_unary("/embedmesh.inference.v1.InferenceService/Embed",  # a unary method
+                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        generate = ch.stream_stream("/embedmesh.inference.v1.InferenceService/Generate",  # a streaming one
+                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for call in [lambda: embed(bomb, timeout=60), lambda: list(generate(iter([bomb]), timeout=60))] * 2:
             with pytest.raises(grpc.RpcError) as info:
-                call(bomb, timeout=60)
+                call()
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
     grown = _hwm_mib(pid) - before
     # Well under one message (128 MiB), whatever gRPC's receive buffers take (reading them whole gave +792 MiB).
@@ -83,17 +85,18 @@ async def test_an_upload_without_a_key_that_never_ends_is_refused_at_once(amesh:
     """It used to be read for up to 10 s (the drain for refused uploads) before the refusal; 5 s is the deadline."""
     t = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[4, 576])
     params = inference_pb2.CompletionParams(model="echo", prompt_embeds=[inference_pb2.PromptEmbeds(tensor=t)])
-    first = inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=params))
+    first = gen.header(completion=params)
 
-    async def never_ends() -> AsyncIterator[inference_pb2.CompleteChunksRequest]:
+    async def never_ends() -> AsyncIterator[inference_pb2.GenerateRequest]:
         yield first
         while True:
             await asyncio.sleep(0.1)
-            yield inference_pb2.CompleteChunksRequest(rows=b"\0" * 64)
+            yield gen.rows(b"\0" * 64)
 
     async with grpc.aio.insecure_channel(amesh.preprocessor, options=OPTS) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await inference_pb2_grpc.InferenceServiceStub(ch).CompleteChunks(never_ends(), timeout=5)
+            call = inference_pb2_grpc.InferenceServiceStub(ch).Generate(never_ends(), timeout=5)
+            [e async for e in call]
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
 
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import CONTEXT, HIDDEN, MODEL, b64_of
+from tests.support import generate as gen
 
 pytestmark = pytest.mark.e2e
 
@@ -204,10 +205,10 @@ def _grpc_complete(mesh: Any, params: Any) -> Any:
     import grpc
 
     from embedmesh.core.server import channel_options
-    from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+    from embedmesh.inference.v1 import inference_pb2_grpc
 
     with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
-        return inference_pb2_grpc.InferenceServiceStub(ch).Complete(inference_pb2.CompleteRequest(params=params),
+        return gen.complete(inference_pb2_grpc.InferenceServiceStub(ch), params,
                                                                     timeout=60)
 
 

@@ -1,5 +1,5 @@
-"""A big CompleteChunks prompt (one raw tensor of 8 MiB or more, in the model's dtype) goes on to its worker while it
-arrives (``core/pieces.py`` Arrival, ``pipeline.ROUTE_BYTES``), on a real echo mesh: the answer is what Complete
+"""A big Generate pieces prompt (one raw tensor of 8 MiB or more, in the model's dtype) goes on to its worker while it
+arrives (``core/pieces.py`` Arrival, ``pipeline.ROUTE_BYTES``), on a real echo mesh: the answer is what one message
 gives for the same tensor; a stream that breaks a rule part-way — a NaN in its last piece, bytes missing, bytes too
 many — is answered with that rule by name, no response message goes out before the stream ended, and nothing
 reaches the engine; rows go on to the worker before the client's last piece was sent."""
@@ -18,6 +18,7 @@ from embedmesh.core.errors import from_rpc_error
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support import generate as gen
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -42,10 +43,10 @@ def _params(rows: np.ndarray, with_data: bool) -> inference_pb2.CompletionParams
     return params
 
 
-def _pieces(rows: np.ndarray, data: bytes | None = None) -> list[inference_pb2.CompleteChunksRequest]:
+def _pieces(rows: np.ndarray, data: bytes | None = None) -> list[inference_pb2.GenerateRequest]:
     data = rows.tobytes() if data is None else data
-    return [inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=_params(rows, False)))] \
-        + [inference_pb2.CompleteChunksRequest(rows=data[i:i + MiB]) for i in range(0, len(data), MiB)]
+    return [gen.header(completion=_params(rows, False))] \
+        + [gen.rows(data[i:i + MiB]) for i in range(0, len(data), MiB)]
 
 
 def _completed(mesh: Mesh) -> int:
@@ -62,18 +63,18 @@ def test_a_big_prompt_streamed_through_gives_what_complete_gives(emesh: Mesh) ->
     rows = _rows(0)
     with grpc.insecure_channel(emesh.preprocessor, options=OPTS) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        whole = stub.Complete(inference_pb2.CompleteRequest(params=_params(rows, True)), timeout=60)
-        got = stub.CompleteChunks(iter(_pieces(rows)), timeout=60)
-        events = list(stub.StreamCompleteChunks(iter(_pieces(rows)), timeout=60))
+        whole = gen.complete(stub, _params(rows, True), timeout=60)
+        got = gen.whole(stub, iter(_pieces(rows)), timeout=60)
+        events = list(gen.streamed(stub, iter(_pieces(rows)), timeout=60))
     assert [c.text for c in got.choices] == [c.text for c in whole.choices] and got.choices[0].text
     assert got.usage.prompt_tokens == whole.usage.prompt_tokens == ROWS
     assert "".join(e.text for e in events) == whole.choices[0].text
     assert events[-1].usage.total_tokens == whole.usage.total_tokens
     # n choices: each goes to a worker from the same arriving rows
     pieces = _pieces(rows)
-    pieces[0].request.params.n = 3
+    pieces[0].request.completion.n = 3
     with grpc.insecure_channel(emesh.preprocessor, options=OPTS) as ch:
-        three = inference_pb2_grpc.InferenceServiceStub(ch).CompleteChunks(iter(pieces), timeout=60)
+        three = gen.whole(inference_pb2_grpc.InferenceServiceStub(ch), iter(pieces), timeout=60)
     assert [c.text for c in three.choices] == [whole.choices[0].text] * 3
     assert three.usage.prompt_tokens == ROWS
 
@@ -99,10 +100,10 @@ def test_a_stream_that_breaks_a_rule_part_way_is_refused_and_reaches_no_engine(e
     with grpc.insecure_channel(emesh.preprocessor, options=OPTS) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         with pytest.raises(grpc.RpcError) as info:
-            stub.CompleteChunks(iter(_pieces(rows, data)), timeout=60)
+            gen.whole(stub, iter(_pieces(rows, data)), timeout=60)
         got: list[inference_pb2.StreamCompleteResponse] = []
         with pytest.raises(grpc.RpcError) as info2:
-            for e in stub.StreamCompleteChunks(iter(_pieces(rows, data)), timeout=60):
+            for e in gen.streamed(stub, iter(_pieces(rows, data)), timeout=60):
                 got.append(e)
     for err in (info.value, info2.value):
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -121,7 +122,7 @@ def test_rows_go_on_to_the_worker_before_the_last_piece_is_sent(emesh: Mesh) -> 
     release = threading.Event()
     seen_in_flight: list[bool] = []
 
-    def messages() -> Iterator[inference_pb2.CompleteChunksRequest]:
+    def messages() -> Iterator[inference_pb2.GenerateRequest]:
         yield from pieces[:-1]
         release.wait(30)
         yield pieces[-1]
@@ -143,7 +144,7 @@ def test_rows_go_on_to_the_worker_before_the_last_piece_is_sent(emesh: Mesh) -> 
     watcher = threading.Thread(target=watch)
     watcher.start()
     with grpc.insecure_channel(emesh.preprocessor, options=OPTS) as ch:
-        got = inference_pb2_grpc.InferenceServiceStub(ch).CompleteChunks(messages(), timeout=60)
+        got = gen.whole(inference_pb2_grpc.InferenceServiceStub(ch), messages(), timeout=60)
     watcher.join()
     assert got.usage.prompt_tokens == ROWS
     assert seen_in_flight == [True]

@@ -1,6 +1,7 @@
-"""CompleteChunks / StreamCompleteChunks on a real mesh (hf model): prompt_embeds sent in pieces after the request
-give exactly what Complete gives for the same tensors (several prompts and a prefix, split anywhere), and a stream
-that breaks a rule ends with INVALID_ARGUMENT naming the field and the rule, the model's rules included."""
+"""Generate pieces streams, whole and streamed, on a real mesh (hf model): prompt_embeds sent in pieces after the
+header give exactly what one Generate message gives for the same tensors (several prompts and a prefix, split
+anywhere), and a stream that breaks a rule ends with INVALID_ARGUMENT naming the field and the rule, the model's
+rules included."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from embedmesh.core.server import channel_options
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.e2e.conftest import HIDDEN, MAX_EMBEDS_BYTES, MODEL
+from tests.support import generate as gen
 
 pytestmark = pytest.mark.e2e
 
@@ -36,10 +38,10 @@ def _params(arrays: list[np.ndarray], prefix: np.ndarray | None, with_data: bool
 
 
 def _messages(params: inference_pb2.CompletionParams, data: bytes, size: int) -> Iterator[
-        inference_pb2.CompleteChunksRequest]:
-    yield inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=params))
+        inference_pb2.GenerateRequest]:
+    yield gen.header(completion=params)
     for i in range(0, len(data), size):
-        yield inference_pb2.CompleteChunksRequest(rows=data[i:i + size])
+        yield gen.rows(data[i:i + size])
 
 
 def test_pieces_give_what_one_message_gives(mesh: Any, embeds_of: Any) -> None:
@@ -49,13 +51,13 @@ def test_pieces_give_what_one_message_gives(mesh: Any, embeds_of: Any) -> None:
     data = a.tobytes() + b.tobytes() + pre.tobytes()  # prompt_embeds in order, then the prefix
     with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        whole = stub.Complete(inference_pb2.CompleteRequest(params=_params([a, b], pre, True)), timeout=120)
+        whole = gen.complete(stub, _params([a, b], pre, True), timeout=120)
         head = _params([a, b], pre, False)
         for size in (1000, 7, len(data)):  # pieces that cut floats, rows and tensors
-            got = stub.CompleteChunks(_messages(head, data, size), timeout=120)
+            got = gen.whole(stub, _messages(head, data, size), timeout=120)
             assert [c.text for c in got.choices] == [c.text for c in whole.choices]
             assert got.usage.prompt_tokens == whole.usage.prompt_tokens == 2 * pre.shape[0] + a.shape[0] + b.shape[0]
-        events = list(stub.StreamCompleteChunks(_messages(head, data, 4096), timeout=120))
+        events = list(gen.streamed(stub, _messages(head, data, 4096), timeout=120))
     texts = {0: "", 1: ""}
     for e in events:
         if e.HasField("usage"):
@@ -65,31 +67,31 @@ def test_pieces_give_what_one_message_gives(mesh: Any, embeds_of: Any) -> None:
     assert events[-1].usage.total_tokens == whole.usage.total_tokens
 
 
-def _case(case: str) -> list[inference_pb2.CompleteChunksRequest]:
+def _case(case: str) -> list[inference_pb2.GenerateRequest]:
     rows = np.ones((3, HIDDEN), np.float32)
     head = _params([rows], None, False)
-    first = inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=head))
+    first = gen.header(completion=head)
     data = rows.tobytes()
     if case == "rows first":
-        return [inference_pb2.CompleteChunksRequest(rows=data), first]
+        return [gen.rows(data), first]
     if case == "two requests":
         return [first, first]
     if case == "too many bytes":
-        return [first, inference_pb2.CompleteChunksRequest(rows=data + b"\0\0\0\0")]
+        return [first, gen.rows(data + b"\0\0\0\0")]
     if case == "too few bytes":
-        return [first, inference_pb2.CompleteChunksRequest(rows=data[:-1])]
+        return [first, gen.rows(data[:-1])]
     if case == "past the cap":
         big = _params([rows], None, False)
         big.prompt_embeds[0].tensor.shape[:] = [MAX_EMBEDS_BYTES // (4 * HIDDEN) + 1, HIDDEN]
-        return [inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=big))]
+        return [gen.header(completion=big)]
     if case == "NaN":
         bad = rows.copy()
         bad[1, 2] = np.nan
-        return [first, inference_pb2.CompleteChunksRequest(rows=bad.tobytes())]
+        return [first, gen.rows(bad.tobytes())]
     if case == "hidden size":
         odd = _params([np.ones((3, HIDDEN + 1), np.float32)], None, False)
-        return [inference_pb2.CompleteChunksRequest(request=inference_pb2.CompleteRequest(params=odd)),
-                inference_pb2.CompleteChunksRequest(rows=np.ones((3, HIDDEN + 1), np.float32).tobytes())]
+        return [gen.header(completion=odd),
+                gen.rows(np.ones((3, HIDDEN + 1), np.float32).tobytes())]
     raise AssertionError(case)
 
 
@@ -105,7 +107,7 @@ def _case(case: str) -> list[inference_pb2.CompleteChunksRequest]:
 def test_a_stream_that_breaks_a_rule_is_refused_by_name(mesh: Any, case: str, field: str, reason: str) -> None:
     with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        for call in (stub.CompleteChunks, lambda m, **kw: list(stub.StreamCompleteChunks(m, **kw))):
+        for call in (lambda m, **kw: gen.whole(stub, m, **kw), lambda m, **kw: gen.streamed(stub, m, **kw)):
             with pytest.raises(grpc.RpcError) as info:
                 call(iter(_case(case)), timeout=60)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
@@ -133,15 +135,15 @@ def test_chat_pieces_give_what_one_chat_message_gives(mesh: Any, embeds_of: Any)
         return [part(a), inference_pb2.ChatContentPart(text=" (one word) "), part(b)]
 
     data = a.tobytes() + b.tobytes()  # the parts' tensors in message and part order
-    head = inference_pb2.ChatChunksRequest(request=inference_pb2.ChatRequest(params=_chat(parts(False))))
-    messages = [head] + [inference_pb2.ChatChunksRequest(rows=data[i:i + 999]) for i in range(0, len(data), 999)]
+    head = gen.header(chat=_chat(parts(False)))
+    messages = [head] + [gen.rows(data[i:i + 999]) for i in range(0, len(data), 999)]
     with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        whole = stub.Chat(inference_pb2.ChatRequest(params=_chat(parts(True))), timeout=120)
-        got = stub.ChatChunks(iter(messages), timeout=120)
-        streamed = "".join(e.text for e in stub.StreamChatChunks(iter(messages), timeout=120))
+        whole = gen.chat(stub, _chat(parts(True)), timeout=120)
+        got = gen.whole(stub, iter(messages), timeout=120)
+        streamed = "".join(e.text for e in gen.streamed(stub, iter(messages), timeout=120))
         with pytest.raises(grpc.RpcError) as info:
-            stub.ChatChunks(iter(messages[:-1]), timeout=60)  # the last piece missing
+            gen.whole(stub, iter(messages[:-1]), timeout=60)  # the last piece missing
     assert got.choices[0].text == whole.choices[0].text == streamed and got.choices[0].text
     assert got.usage.prompt_tokens == whole.usage.prompt_tokens
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -2,7 +2,7 @@
 (deploy/envoy/generate.py, the same code as every pod's egress) in front of two real preprocessor replicas on
 loopback, each fronting its own echo worker:
 
-* one client connection, 40 Complete calls: Envoy spreads them per request, so both replicas serve some
+* one client connection, 40 Generate calls: Envoy spreads them per request, so both replicas serve some
   (counted independently by each replica's worker and by Envoy's per-host counters);
 * replica A's health flips to NOT_SERVING while its process keeps running (its only worker goes away, and a
   preprocessor without workers reports NOT_SERVING): within a few health-check intervals Envoy marks it failed and
@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support import generate as gen
 from tests.support.mesh import free_port
 
 pytestmark = pytest.mark.e2e
@@ -151,7 +152,7 @@ def _admin_up(admin: int) -> bool:
 def _complete(stub: inference_pb2_grpc.InferenceServiceStub) -> None:
     params = inference_pb2.CompletionParams(model="echo", prompt_token_ids=[inference_pb2.TokenIds(ids=[1, 2, 3])])
     params.sampling.max_tokens = 1
-    stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=10)
+    gen.complete(stub, params, timeout=10)
 
 
 def _settled(workers: list[str], total: int) -> list[int]:

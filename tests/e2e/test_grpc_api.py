@@ -18,6 +18,7 @@ from embedmesh.core.server import channel_options
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 from tests.e2e.conftest import MODEL
+from tests.support import generate as gen
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +42,11 @@ def test_raw_tensor_bytes_give_the_same_text(mesh: Any, client: Any, embeds_of: 
         )
         params.sampling.max_tokens = 10
         params.sampling.temperature = 0.0
-        resp = stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=60)
+        resp = gen.complete(stub, params, timeout=60)
         assert resp.choices[0].text == expected
         assert resp.usage.prompt_tokens == emb.shape[0]
         # The streaming RPC carries the same text and exactly one finish reason.
-        events = list(stub.StreamComplete(inference_pb2.StreamCompleteRequest(params=params), timeout=60))
+        events = list(gen.stream_complete(stub, params, timeout=60))
     assert "".join(e.text for e in events) == expected
     assert sum(1 for e in events if e.finish_reason) == 1
     assert events[-1].usage.total_tokens == resp.usage.total_tokens
@@ -59,7 +60,7 @@ def test_grpc_errors_carry_field_details(mesh: Any) -> None:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         params = inference_pb2.CompletionParams(model=MODEL, prompt_embeds=[inference_pb2.PromptEmbeds(tensor=bad)])
         with pytest.raises(grpc.RpcError) as info:
-            stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=30)
+            gen.complete(stub, params, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     err = from_rpc_error(info.value)
     assert err.field == "prompt_embeds"
@@ -128,20 +129,18 @@ def test_grpcurl_completion_from_a_small_tensor(mesh: Any, client: Any, embeds_o
     import base64
 
     emb = embeds_of(TEXT).numpy().astype("<f4")
-    body = {
-        "params": {
-            "model": MODEL,
-            "promptEmbeds": [{"tensor": {"dtype": "DATA_TYPE_FP32", "shape": list(emb.shape),
-                                         "data": base64.b64encode(emb.tobytes()).decode()}}],
-            "sampling": {"maxTokens": 6, "temperature": 0},
-        }
-    }
+    body = {"request": {"completion": {
+        "model": MODEL,
+        "promptEmbeds": [{"tensor": {"dtype": "DATA_TYPE_FP32", "shape": list(emb.shape),
+                                     "data": base64.b64encode(emb.tobytes()).decode()}}],
+        "sampling": {"maxTokens": 6, "temperature": 0},
+    }}}
     r = subprocess.run(
         [grpcurl(), "-plaintext", "-d", json.dumps(body), mesh.preprocessor,
-         "embedmesh.inference.v1.InferenceService/Complete"],
+         "embedmesh.inference.v1.InferenceService/Generate"],
         capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)["choices"][0]["text"]
+    got = json.loads(r.stdout)["completion"]["choices"][0]["text"]
     expected = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0).choices[0].text
     assert got == expected

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL
+from tests.support import generate as gen
 
 pytestmark = pytest.mark.e2e
 
@@ -118,7 +119,7 @@ def _grpc_chat(mesh: Any, image: Any, max_tokens: int = 12) -> Any:
     params.sampling.temperature = 0.0
     with grpc.insecure_channel(mesh.preprocessor, options=channel_options()) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
-        return stub.Chat(inference_pb2.ChatRequest(params=params), timeout=120)
+        return gen.chat(stub, params, timeout=120)
 
 
 def test_grpc_raw_image_bytes_give_the_rest_answer(mesh: Any, client: Any) -> None:

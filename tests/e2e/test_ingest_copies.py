@@ -21,6 +21,7 @@ import pytest
 
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
+from tests.support import generate as gen
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -41,12 +42,11 @@ def _status(pid: str, key: str) -> int:
     raise AssertionError(f"{key} not in /proc/{pid}/status")
 
 
-def _request(rows: np.ndarray) -> inference_pb2.CompleteRequest:
+def _request(rows: np.ndarray) -> inference_pb2.CompletionParams:
     t = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=list(rows.shape), data=rows.tobytes())
-    req = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(
-        model="echo", prompt_embeds=[inference_pb2.PromptEmbeds(tensor=t)]))
-    req.params.sampling.max_tokens = 1
-    return req
+    params = inference_pb2.CompletionParams(model="echo", prompt_embeds=[inference_pb2.PromptEmbeds(tensor=t)])
+    params.sampling.max_tokens = 1
+    return params
 
 
 def test_a_big_tensor_is_held_at_most_4_times_by_the_worker_and_5_by_the_preprocessor(emesh: Mesh) -> None:
@@ -55,7 +55,7 @@ def test_a_big_tensor_is_held_at_most_4_times_by_the_worker_and_5_by_the_preproc
     with grpc.insecure_channel(emesh.preprocessor, options=opts) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         for _ in range(3):  # warm every code path with a small tensor first
-            stub.Complete(_request(rows[:8]), timeout=60)
+            gen.complete(stub, _request(rows[:8]), timeout=60)
         children = subprocess.run(["pgrep", "-P", str(emesh.proc.pid)], capture_output=True, text=True).stdout.split()
         procs = {}
         for pid in children:
@@ -70,7 +70,7 @@ def test_a_big_tensor_is_held_at_most_4_times_by_the_worker_and_5_by_the_preproc
         for p in procs.values():
             with open(f"/proc/{p}/clear_refs", "w") as f:
                 f.write("5")  # reset the peak (VmHWM) to the current resident size
-        resp = stub.Complete(_request(rows), timeout=120)
+        resp = gen.complete(stub, _request(rows), timeout=120)
     assert resp.usage.prompt_tokens == rows.shape[0]
     copies = {n: (_status(p, "VmHWM") - base[n]) / rows.nbytes for n, p in procs.items()}
     assert copies["worker.main"] <= 2.5, copies

@@ -15,6 +15,7 @@ import pytest
 
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of
+from tests.support import generate as gen
 
 pytestmark = pytest.mark.e2e
 
@@ -310,7 +311,7 @@ def test_grpc_clients_get_logprobs_as_messages(mesh: Any, hf_model: Any) -> None
         params.sampling.max_tokens = 3
         params.sampling.temperature = 0
         params.sampling.logprobs = 2
-        resp = stub.Complete(inference_pb2.CompleteRequest(params=params), timeout=120)
+        resp = gen.complete(stub, params, timeout=120)
     lps = resp.choices[0].logprobs
     assert [lp.token_id for lp in lps] == expected
     for lp, row in zip(lps, rows, strict=True):

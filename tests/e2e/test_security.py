@@ -23,6 +23,7 @@ from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of
+from tests.support import generate as gen
 from tests.support.mesh import Mesh, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -94,18 +95,18 @@ def test_every_public_route_needs_a_valid_key(smesh: Mesh) -> None:
 
 
 def test_public_grpc_port_serves_tls_and_needs_the_key(smesh: Mesh) -> None:
-    req = inference_pb2.CompleteRequest(params=inference_pb2.CompletionParams(model=MODEL, prompts=["Hi"]))
-    req.params.sampling.max_tokens = 2
+    req = inference_pb2.CompletionParams(model=MODEL, prompts=["Hi"])
+    req.sampling.max_tokens = 2
     with grpc.secure_channel(smesh.preprocessor, _creds(smesh, with_cert=False)) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         for md in ([], _md("sk-wrong-0123456789")):
             with pytest.raises(grpc.RpcError) as info:
-                stub.Complete(req, metadata=md, timeout=60)
+                gen.complete(stub, req, metadata=md, timeout=60)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert stub.Complete(req, metadata=_md(KA), timeout=120).choices[0].text
+        assert gen.complete(stub, req, metadata=_md(KA), timeout=120).choices[0].text
     with grpc.insecure_channel(smesh.preprocessor) as ch:  # plaintext is refused outright
         with pytest.raises(grpc.RpcError) as info:
-            inference_pb2_grpc.InferenceServiceStub(ch).Complete(req, metadata=_md(KA), timeout=10)
+            gen.complete(inference_pb2_grpc.InferenceServiceStub(ch), req, metadata=_md(KA), timeout=10)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 

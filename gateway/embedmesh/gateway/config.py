@@ -78,7 +78,7 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     0 = no cap."""
     pieces_min_bytes: int = 8 << 20
     """Requests whose torch.save ``prompt_embeds`` payloads hold at least this many bytes of values go to the
-    preprocessor as a CompleteChunks / ChatChunks stream of 1 MiB pieces (``pieces_body.py``); 0 = always one
+    preprocessor as a Generate pieces stream, the values in 1 MiB pieces (``pieces_body.py``); 0 = always one
     message."""
     responses_db: str = ""
     """Where ``/v1/responses`` stores responses: a PostgreSQL URL (``postgresql://...``), a SQLite file, or empty

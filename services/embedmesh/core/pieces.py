@@ -1,6 +1,6 @@
 """Requests whose tensors' bytes follow them in pieces: ``WorkerService.GenerateChunks`` (the preprocessor sends big
-prompts to a worker this way) and ``InferenceService.CompleteChunks`` / ``StreamCompleteChunks`` / ``ChatChunks`` /
-``StreamChatChunks`` (clients send big ``prompt_embeds`` this way).
+prompts to a worker this way) and ``InferenceService.Generate`` (clients and the gateway send big ``prompt_embeds``
+this way; a small request is its header alone).
 
 One 64 MiB message costs more than its bytes: grpc.aio hands a received message to Python as a bytes object per
 slice joined into one (two passes over memory that is no longer in cache), the sender first builds the whole message,

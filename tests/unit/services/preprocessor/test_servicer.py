@@ -94,10 +94,10 @@ def test_results_are_written_back_field_for_field() -> None:
 
 def test_the_in_flight_bound_refuses_at_once_with_a_retry_delay() -> None:
     admission = Admission(2)
-    with admission.slot("Complete"), admission.slot("Complete"):
-        with pytest.raises(Unavailable) as e, admission.slot("Complete"):
+    with admission.slot("Generate"), admission.slot("Generate"):
+        with pytest.raises(Unavailable) as e, admission.slot("Generate"):
             pass
         assert e.value.reason == "OVERLOADED" and e.value.retry_after_seconds == 1.0
     assert admission.inflight == 0
-    with admission.slot("Complete"):
+    with admission.slot("Generate"):
         assert admission.inflight == 1
