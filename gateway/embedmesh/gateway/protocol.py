@@ -20,12 +20,12 @@ Clients without a valid API key are capped per IP address (connections, requests
 
 A request with a valid key whose tenant is at its share (requests in flight, requests per second:
 ``tenant_admission.py``) is answered 429 with ``Retry-After`` from its headers: no byte of its body is taken in,
-no JSON parsed, no app task started (``_admit_tenant``). What then happens to its body: a small one (a declared
-``Content-Length`` up to ``SKIP_BODY_BYTES``, no ``Expect: 100-continue``) is skipped by the parser and the
-connection stays open for the next request, since a new connection (and its TLS handshake) costs more than 64 KiB
-of parsing; anything else (a big or chunked body, or one the client holds back for ``100 Continue``) gets the
-answer with ``Connection: close`` and the connection closes gently (``_refuse``): skipping it would mean reading
-a body of any size, for nothing, and a client waiting for ``100 Continue`` would never send it at all.
+no JSON parsed, no app task started (``_admit_tenant``). What then happens to its body: none (a GET) or a small
+one (a declared ``Content-Length`` up to ``SKIP_BODY_BYTES``, no ``Expect: 100-continue``) is skipped by the parser
+and the connection stays open for the next request, since a new connection (and its TLS handshake) costs more
+than 64 KiB of parsing; anything else (a big or chunked body, or one the client holds back for ``100 Continue``)
+gets the answer with ``Connection: close`` and the connection closes gently (``_refuse``): skipping it would mean
+reading a body of any size, for nothing, and a client waiting for ``100 Continue`` would never send it at all.
 This is a security rule, not a performance bypass: ``EMBEDMESH_FASTPATH=off`` leaves it on.
 """
 
@@ -282,14 +282,14 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _answer_early(self, err: ApiError) -> None:
         """Answer a request from its headers, its body unread: skipped when small (the connection stays), else the
         connection closes (see the module's docstring)."""
-        length = None
+        length, declared = 0, False  # no Content-Length nor Transfer-Encoding: no body (a GET)
         for name, value in self.headers:
             if name == b"content-length":
-                length = int(value) if value.isdigit() and length is None else -1
+                length = int(value) if value.isdigit() and not declared else -1
+                declared = True
             elif name == b"transfer-encoding":
-                length = -1
-        small = length is not None and 0 <= length <= SKIP_BODY_BYTES
-        if not small or self.expect_100_continue or not self.parser.should_keep_alive():
+                length, declared = -1, True
+        if not 0 <= length <= SKIP_BODY_BYTES or self.expect_100_continue or not self.parser.should_keep_alive():
             self._stop(err)
         self.cycle = RequestResponseCycle(
             scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,

@@ -161,6 +161,22 @@ async def test_a_small_refused_body_is_skipped_and_the_connection_serves_the_nex
         w.close()
 
 
+async def test_a_request_without_a_body_is_refused_on_a_connection_that_stays(served: _Mesh) -> None:
+    """A GET (no Content-Length, no body) of a tenant at its share: 429 from its headers, connection kept."""
+    mesh = served
+    held_reader, held_writer = await _hold(mesh)
+    started = _Counting.started
+    reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
+    writer.write(f"GET /v1/models HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {SLOW}\r\n\r\n".encode())
+    status, headers, _ = await _answer(reader)
+    assert status == 429 and "connection" not in headers
+    assert _Counting.started == started
+    writer.write(_post(POLITE))  # the same connection serves the next request
+    assert (await _answer(reader))[0] == 200
+    for w in (writer, held_writer):
+        w.close()
+
+
 @pytest.mark.parametrize("headers", ["content-length: 2\r\nexpect: 100-continue\r\n",
                                      "transfer-encoding: chunked\r\n"])
 async def test_a_body_held_back_or_of_unknown_length_closes_the_connection(served: _Mesh, headers: str) -> None:
