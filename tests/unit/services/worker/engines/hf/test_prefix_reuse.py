@@ -210,3 +210,33 @@ async def test_clear_and_the_budget(engine: Any) -> None:
         assert engine.kv_snapshot() == [Stored(0, tuple(block_hashes([other], BLOCK)[:4]))]
     finally:
         cache.capacity = 64
+
+
+async def test_prompt_logprobs_look_nothing_up_even_beside_a_cached_row(engine: Any) -> None:
+    """A request that scores its prompt needs every position's logits: it is prefilled whole, here in the same
+    prefill as a row that reuses cached blocks, and both equal their runs without the cache."""
+    await engine.clear_kv_blocks()
+    prompt = _tokens(engine, TEXT + " Name three bridges.")
+
+    async def scored() -> tuple[Any, ...]:
+        req = GenerationRequest(f"p{next(_ids)}", [TokenSegment(prompt)],
+                                SamplingParams(max_tokens=0, prompt_logprobs=1))
+        return tuple(lp for d in [d async for d in engine.generate(req)] for lp in d.prompt_logprobs or ())
+
+    cache = engine.prefix_cache
+    cache.capacity = 0
+    want_lp, want_ids = await scored(), _ids_of(await _run(engine, [TokenSegment(prompt)]))
+    cache.capacity = 64
+    await _settle(engine)
+    await _run(engine, [TokenSegment(prompt)], n=1)  # caches the prompt's blocks
+    before = _hit(engine)
+    stream = engine.generate(GenerationRequest(f"p{next(_ids)}", [TokenSegment(_tokens(engine, "Hi"))],
+                                               SamplingParams(max_tokens=40, temperature=0.0)))
+    await stream.__anext__()
+    got_lp, got = await asyncio.gather(scored(), _run(engine, [TokenSegment(prompt)], settle=False))
+    await stream.aclose()
+    await _settle(engine)
+    assert _hit(engine) - before == (len(prompt) - 1) // BLOCK * BLOCK  # the unscored row's only
+    assert len(got_lp) == len(prompt) and [lp.token_id for lp in got_lp] == [lp.token_id for lp in want_lp]
+    assert [lp.logprob for lp in got_lp[1:]] == pytest.approx([lp.logprob for lp in want_lp[1:]], abs=1e-4)
+    assert _ids_of(got) == want_ids
