@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-__all__ = ["INFLIGHT", "REJECTED", "GENERATE_CALLS", "TTFT", "PROMPT_TOKENS", "GENERATED_TOKENS", "WORKER_RETRIES", "WORKER_FAILURES",
-           "REQUEST_TOKENS_PER_SECOND", "FAIR_SHARE_WAITING"]
+__all__ = ["INFLIGHT", "REJECTED", "GENERATE_CALLS", "TTFT", "PROMPT_TOKENS", "GENERATED_TOKENS", "WORKER_RETRIES",
+           "WORKER_FAILURES", "REQUEST_TOKENS_PER_SECOND", "FAIR_SHARE_WAITING"]
 
 # --- admission (servicer.Admission) ---------------------------------------------------------------------------
 INFLIGHT = Gauge("embedmesh_preprocessor_inflight_requests", "Requests the preprocessor is serving now")

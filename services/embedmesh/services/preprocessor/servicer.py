@@ -124,9 +124,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     @contextlib.asynccontextmanager
     async def _serving(self, arrival: pieces.Arrival) -> AsyncIterator[None]:
         """Serve the request over the arrival's tensors — as the call's wire views (``tensors.to_numpy`` reads them
-        under the request's field names, ``prompt_embeds`` or ``messages[i].content[j]``) and, when scanned, as rows still arriving —
-        and end only once the client's stream ended within the rules. When that stream broke a rule, that is the
-        answer, whatever it made fail downstream."""
+        under the request's field names, ``prompt_embeds`` or ``messages[i].content[j]``) and, when scanned, as rows
+        still arriving — and end only once the client's stream ended within the rules. When that stream broke a
+        rule, that is the answer, whatever it made fail downstream."""
         tensors.set_wire_views(arrival.views)
         try:
             with pieces.arriving(arrival):

@@ -5,11 +5,10 @@ A request whose rows add up to ``CHUNKED_MIN`` bytes or more is sent this way (`
 one Generate message (or a frame on the worker's GenerateMany stream). Each piece is copied once, just before gRPC
 sends it, instead of joining the whole request into one buffer first.
 
-A worker that does not know the method (UNIMPLEMENTED from gRPC itself: an older worker during a rolling upgrade)
-gets the request as one Generate call, and the handle remembers it when the UNIMPLEMENTED came back as such. So
-does a stream the worker ended before reading it all, which grpc.aio reports as its own INTERNAL (a failed write)
-instead of the worker's answer: the Generate call gets that answer (a refusal, a drain), which the pipeline handles
-as it handles any Generate call's.
+A stream the worker ended before reading it all, which grpc.aio reports as its own INTERNAL (a failed write)
+instead of the worker's answer, is made again as one Generate call, which gets that answer (a refusal, a drain);
+the pipeline handles it as it handles any Generate call's. The mesh ships from one version, so every worker serves
+GenerateChunks: an UNIMPLEMENTED is a failure like any other.
 """
 
 from __future__ import annotations
@@ -77,18 +76,13 @@ class ChunkedBody:
             await self.ready(self.rows_bytes)
 
     def joined(self) -> bytes:
-        """The same request as one Generate message (for a worker without GenerateChunks; after ``complete``)."""
+        """The same request as one Generate message (after ``complete``)."""
         req = worker_pb2.GenerateRequest.FromString(self.request)
         pieces = iter(self.rows)
         for seg in req.segments:
             if seg.WhichOneof("kind") == "embeds":
                 seg.embeds.data = bytes(next(pieces))
         return req.SerializeToString()
-
-
-def _method_missing(e: grpc.aio.AioRpcError) -> bool:
-    """UNIMPLEMENTED from gRPC itself (no such method on the server), not an answer of the worker's own."""
-    return e.code() == grpc.StatusCode.UNIMPLEMENTED and not answered_by_peer(e)
 
 
 def _refused_while_writing(e: grpc.aio.AioRpcError) -> bool:
@@ -104,8 +98,8 @@ class ChunkedCall:
     def __init__(self, handle: WorkerHandle, body: ChunkedBody) -> None:
         self._handle = handle
         self._body = body
-        self._fallen_back = not handle.chunks_supported
-        self._call: Any = handle.chunks_call(body) if handle.chunks_supported else None
+        self._fallen_back = False
+        self._call: Any = handle.chunks_call(body)
         self._responses: Any = None
         self._received = False
         self._cancelled = False
@@ -122,17 +116,12 @@ class ChunkedCall:
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
         if self._responses is None:
-            call = self._call if self._call is not None else await self._generate_call()
-            self._responses = call.__aiter__()
+            self._responses = self._call.__aiter__()
         try:
             response = await self._responses.__anext__()
         except grpc.aio.AioRpcError as e:
-            if self._received or self._fallen_back or not (_method_missing(e) or _refused_while_writing(e)):
+            if self._received or self._fallen_back or not _refused_while_writing(e):
                 raise
-            if _method_missing(e):
-                log.warning("worker does not serve GenerateChunks; sending big prompts as one Generate message",
-                            extra={"worker": self._handle.address})
-                self._handle.chunks_supported = False
             self._fallen_back = True
             self._responses = (await self._generate_call()).__aiter__()
             response = await self._responses.__anext__()

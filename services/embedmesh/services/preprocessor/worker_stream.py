@@ -11,8 +11,7 @@ The stream opens on first use and re-opens on the next generation after it ends.
 fails with that status (UNAVAILABLE ``WORKER_DRAINING`` when the stream ended cleanly, and for the generations not
 yet answered when the stream was cut as a frame was written — ``core.mux.CUT_WHILE_WRITING``), which the pipeline
 retries on another worker when nothing was sent yet, and continues there when output was sent (``migration.py``).
-A worker that does not know GenerateMany (UNIMPLEMENTED: an older worker during a rolling upgrade) is remembered,
-and its generations, this one included, go as ``Generate`` calls.
+The mesh ships from one version, so every worker serves GenerateMany: an UNIMPLEMENTED is a failure like any other.
 
 The stream itself (one writer task batching frames, one reader task, opened from an empty context on a channel of
 its own without client interceptors, the mesh token as call metadata) is ``core.mux.MuxSession``; each frame
@@ -62,14 +61,9 @@ _CANCELLED = rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
 class Generation:
     """One generation on a ``WorkerStream``; iterated and cancelled like a ``Generate`` call."""
 
-    def __init__(self, session: _Session, gid: int, fallback: Callable[[], Any]) -> None:
+    def __init__(self, session: _Session, gid: int) -> None:
         self._session = session
         self._gid = gid
-        self._fallback = fallback
-        self._call: Any = None
-        """The Generate call this generation moved to (the worker does not know GenerateMany)."""
-        self._responses: Any = None
-        """That call's response iterator."""
         self._queue: collections.deque[worker_pb2.GenerateResponse] = collections.deque()
         self._event = asyncio.Event()
         self._done = False
@@ -100,26 +94,18 @@ class Generation:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
-        if self._responses is not None:
-            return await self._responses.__anext__()
         while True:
             if self._queue:
                 return self._queue.popleft()
             if self._done:
                 if self._error is None:
                     raise StopAsyncIteration
-                if self._error.code() == grpc.StatusCode.UNIMPLEMENTED and self._session.unsupported:
-                    self._call = self._fallback()
-                    self._responses = self._call.__aiter__()
-                    return await self._responses.__anext__()
                 raise self._error
             self._event.clear()
             await self._event.wait()
 
     def cancel(self) -> bool:
         """Stop the generation (no-op once it ended)."""
-        if self._call is not None:
-            return bool(self._call.cancel())
         if self._done:
             return False
         self._end(_CANCELLED)
@@ -131,11 +117,9 @@ class Generation:
 class _Session:
     """One open GenerateMany call and the generations on it."""
 
-    def __init__(self, open_call: Callable[[], Any], on_unimplemented: Callable[[], None]) -> None:
+    def __init__(self, open_call: Callable[[], Any]) -> None:
         self.sinks: dict[int, Generation] = {}
-        self.unsupported = False
         self._ids = itertools.count(1)
-        self._on_unimplemented = on_unimplemented
         self._mux = MuxSession(open_call, self._on_message, self._on_end)
 
     @property
@@ -156,9 +140,6 @@ class _Session:
                 sink._deliver(result)
 
     def _on_end(self, error: grpc.aio.AioRpcError | None) -> None:
-        if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            self.unsupported = True
-            self._on_unimplemented()
         for sink in list(self.sinks.values()):
             if error is None or (self._mux.cut_while_writing and not sink.answered):
                 # Ended cleanly, or cut as a frame was written and this generation had no answer yet: the worker is
@@ -175,30 +156,20 @@ class _Session:
 class WorkerStream:
     """The GenerateMany stream to one worker (opened on first use, re-opened after it ended)."""
 
-    def __init__(self, address: str, max_message_bytes: int, fallback: Callable[[bytes], Any]) -> None:
+    def __init__(self, address: str, max_message_bytes: int) -> None:
         self._channel, metadata = plain_mesh_channel(address, max_message_bytes)
         method = self._channel.stream_stream(GENERATE_MANY, request_serializer=None,
                                              response_deserializer=worker_pb2.GenerateManyResponse.FromString)
         self._open = lambda: method(metadata=metadata)
-        self._fallback = fallback
         self._session: _Session | None = None
-        self.supported = True
-        """False once the worker answered UNIMPLEMENTED: every generation then goes as a Generate call."""
 
-    def _unsupported(self) -> None:
-        if self.supported:
-            log.warning("worker does not serve GenerateMany; using a Generate call per request")
-        self.supported = False
-
-    def generate(self, body: bytes) -> Generation | Any:
+    def generate(self, body: bytes) -> Generation:
         """Start a generation of ``body`` (a serialized GenerateRequest)."""
-        if not self.supported:
-            return self._fallback(body)
         session = self._session
         if session is None or session.closed:
-            session = self._session = _Session(self._open, self._unsupported)
+            session = self._session = _Session(self._open)
         gid = session.next_id()
-        generation = Generation(session, gid, lambda: self._fallback(body))
+        generation = Generation(session, gid)
         session.sinks[gid] = generation
         carrier: dict[str, str] = {}
         propagate.inject(carrier)

@@ -51,8 +51,6 @@ class WorkerHandle:
     _generate_raw: Any = field(default=None, repr=False)
     stream: WorkerStream | None = field(default=None, repr=False)
     """The GenerateMany stream small requests share (``worker_stream.py``); None = a Generate call each."""
-    chunks_supported: bool = True
-    """False once the worker answered that it has no GenerateChunks (``worker_chunks.py``)."""
     _chunks_raw: Any = field(default=None, repr=False)
 
     def generate_raw(self, body: bytes | ChunkedBody) -> Any:
@@ -115,7 +113,7 @@ class WorkerPool:
         channel = insecure_channel(address, self._max_message_bytes)
         handle = WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel))
         if self.worker_streams == "all" or (self.worker_streams == "routed" and routed):
-            handle.stream = WorkerStream(address, self._max_message_bytes, handle.generate_call)
+            handle.stream = WorkerStream(address, self._max_message_bytes)
         self.workers.append(handle)
         return handle
 

@@ -8,8 +8,8 @@ pool is the one fallback: this client keeps no worker list of its own. A router 
 
 Questions go to each replica over one long-lived ``RouteMany`` stream (``_RouteStream``, on ``core.mux``): a message
 on an open stream costs a fraction of a call. A question unanswered within ``timeout`` counts as
-DEADLINE_EXCEEDED; a stream that ends fails its open questions (UNAVAILABLE) and the next question opens a new one;
-a replica that does not know RouteMany (UNIMPLEMENTED) is asked with ``Route`` calls from then on.
+DEADLINE_EXCEEDED; a stream that ends fails its open questions (UNAVAILABLE) and the next question opens a new one.
+The mesh ships from one version, so every router serves RouteMany: an UNIMPLEMENTED is a failure like any other.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from opentelemetry import propagate
 from embedmesh.core.errors import Unavailable, from_rpc_error, rpc_error, rpc_error_from_status, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.mux import MuxSession, entry
-from embedmesh.core.server import insecure_channel, plain_mesh_channel
-from embedmesh.router.v1 import router_pb2, router_pb2_grpc
+from embedmesh.core.server import plain_mesh_channel
+from embedmesh.router.v1 import router_pb2
 from embedmesh.services.router.metrics import FALLBACKS
 
 __all__ = ["Routes", "RouteClient", "RouteDecision", "CandidateCost", "FALLBACKS"]
@@ -83,24 +83,19 @@ _ENDED = rpc_error_from_status(to_status_message(Unavailable(
 
 
 class _RouteStream:
-    """Route questions to one replica over its RouteMany stream (opened on first use, re-opened after it ended);
-    ``Route`` calls once the replica answered UNIMPLEMENTED."""
+    """Route questions to one replica over its RouteMany stream (opened on first use, re-opened after it ended)."""
 
-    def __init__(self, address: str, stub: router_pb2_grpc.RouterServiceStub) -> None:
+    def __init__(self, address: str) -> None:
         self._channel, metadata = plain_mesh_channel(address)
         method = self._channel.stream_stream(ROUTE_MANY, request_serializer=None,
                                              response_deserializer=router_pb2.RouteManyResponse.FromString)
         self._open = lambda: method(metadata=metadata)
-        self._stub = stub
         self._session: MuxSession | None = None
         self._waiting: dict[int, asyncio.Future[router_pb2.RouteResponse]] = {}
         self._ids = itertools.count(1)
-        self.supported = True
 
     async def ask(self, request: router_pb2.RouteRequest, timeout: float) -> router_pb2.RouteResponse:
-        """The replica's answer; raises the AioRpcError a Route call would (DEADLINE_EXCEEDED past ``timeout``)."""
-        if not self.supported:
-            return await self._stub.Route(request, timeout=timeout)
+        """The replica's answer; raises its AioRpcError (DEADLINE_EXCEEDED past ``timeout``)."""
         if self._session is None or self._session.closed:
             self._session = MuxSession(self._open, self._on_message, self._on_end)
         qid = next(self._ids)
@@ -115,10 +110,6 @@ class _RouteStream:
         except TimeoutError:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"the router did not answer within {timeout:g} s") from None
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED and not self.supported:
-                return await self._stub.Route(request, timeout=timeout)
-            raise
         finally:
             self._waiting.pop(qid, None)
 
@@ -133,10 +124,6 @@ class _RouteStream:
                 future.set_result(answer.response)
 
     def _on_end(self, error: grpc.aio.AioRpcError | None) -> None:
-        if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            if self.supported:
-                log.warning("router does not serve RouteMany; using a Route call per request")
-            self.supported = False
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
             if not future.done():
@@ -160,18 +147,14 @@ class RouteClient:
         self.timeout = timeout
         self.retry_after = retry_after
         self.routers = list(routers)
-        self._channels = [insecure_channel(a) for a in self.routers]
-        self._stubs = [router_pb2_grpc.RouterServiceStub(c) for c in self._channels]
-        self._streams = [_RouteStream(a, stub) for a, stub in zip(self.routers, self._stubs, strict=True)]
-        self._down_until = [0.0] * len(self._stubs)
+        self._streams = [_RouteStream(a) for a in self.routers]
+        self._down_until = [0.0] * len(self._streams)
         self._next = itertools.count()
         self._warned = False
 
     async def close(self) -> None:
         for stream in self._streams:
             await stream.close()
-        for c in self._channels:
-            await c.close()
 
     async def route(self, model: str, hashes: Sequence[int], prompt_tokens: int,
                     request_id: str = "", adapter: str = "") -> RouteDecision | None:
@@ -179,7 +162,7 @@ class RouteClient:
         adapter's name; ``hashes`` its chain) only workers holding it are considered."""
         req = router_pb2.RouteRequest(model=model, block_hashes=hashes, block_size=self.block_size,
                                       prompt_tokens=prompt_tokens, request_id=request_id, lora_adapter=adapter)
-        n = len(self._stubs)
+        n = len(self._streams)
         start = next(self._next)
         reason = "no_router"
         now = time.monotonic()

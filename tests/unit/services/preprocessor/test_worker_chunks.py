@@ -61,12 +61,6 @@ class _Counting(WorkerServicer):
             yield r
 
 
-class _Old(_Counting):
-    """A worker from before GenerateChunks: gRPC answers UNIMPLEMENTED for it."""
-
-    GenerateChunks = worker_pb2_grpc.WorkerServiceServicer.GenerateChunks  # type: ignore[assignment]
-
-
 async def _serve(servicer: WorkerServicer) -> tuple[Server, WorkerPool]:
     await servicer.engine.start()
     # the server's message limit and the servicer's, as the worker's main sets them
@@ -129,27 +123,6 @@ def test_prompts_with_many_rows_go_as_chunks_and_others_as_before() -> None:
     asyncio.run(run())
 
 
-def test_a_worker_without_generate_chunks_is_served_by_one_generate_message() -> None:
-    async def run() -> None:
-        worker = _Old()
-        server, pool = await _serve(worker)
-        try:
-            big = _rows(BIG, 4)
-            text, _ = await _run(_job(big), pool)
-            assert text == {0: "xx"} and worker.calls["Generate"] == 1
-            # (the handle stops trying GenerateChunks when gRPC's UNIMPLEMENTED comes back as such; when it
-            # races the client's writes grpc.aio reports a failed write instead, and the next request tries again)
-            text, _ = await _run(_job(big), pool)
-            assert text == {0: "xx"} and worker.calls["Generate"] == 2
-            for got in worker.rows:
-                np.testing.assert_array_equal(got, big)
-        finally:
-            await pool.close()
-            await server._server.stop(0)
-
-    asyncio.run(run())
-
-
 def test_a_stream_the_worker_refused_early_still_ends_with_the_workers_answer() -> None:
     async def run() -> None:
         # The worker takes at most 1 MiB of rows: it refuses the stream after the first message, while the
@@ -173,7 +146,6 @@ def test_a_stream_the_worker_refused_early_still_ends_with_the_workers_answer() 
                 assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), e
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     assert from_rpc_error(e).reason == "TOO_LARGE"
-            assert handle.chunks_supported  # a refusal is not a missing method
             assert worker.rows == []
         finally:
             await pool.close()

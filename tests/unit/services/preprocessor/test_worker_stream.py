@@ -51,19 +51,6 @@ async def _worker(delay: float = 0.0) -> tuple[WorkerServicer, Server]:
     return servicer, await _serve(servicer)
 
 
-def _fallback_calls(address: str) -> tuple[Any, list[bytes]]:
-    channel = grpc.aio.insecure_channel(address)
-    sent: list[bytes] = []
-    method = channel.unary_stream(f"/{SERVICE}/Generate", request_serializer=None,
-                                  response_deserializer=worker_pb2.GenerateResponse.FromString)
-
-    def call(body: bytes) -> Any:
-        sent.append(body)
-        return method(body)
-
-    return call, sent
-
-
 async def _text(generation: Any) -> tuple[str, int]:
     text, finish = "", 0
     async for r in generation:
@@ -75,12 +62,11 @@ async def _text(generation: Any) -> tuple[str, int]:
 def test_many_generations_share_one_stream_and_come_back_as_calls_give_them() -> None:
     async def run() -> None:
         servicer, server = await _worker()
-        fallback, sent = _fallback_calls(server.address)
-        stream = WorkerStream(server.address, 64 << 20, fallback)
+        stream = WorkerStream(server.address, 64 << 20)
         try:
             got = await asyncio.gather(*(_text(stream.generate(_body(f"r{i}", 1 + i % 7))) for i in range(50)))
             assert got == [("x" * (1 + i % 7), common_pb2.FINISH_REASON_LENGTH) for i in range(50)]
-            assert servicer.many.open_streams() == 1 and not sent  # one stream, no Generate call
+            assert servicer.many.open_streams() == 1  # one stream
             assert servicer.engine.stats().completed_requests == 50
         finally:
             await stream.close()
@@ -92,7 +78,7 @@ def test_many_generations_share_one_stream_and_come_back_as_calls_give_them() ->
 def test_a_generation_error_is_an_rpc_error_with_the_workers_details_and_the_stream_goes_on() -> None:
     async def run() -> None:
         _, server = await _worker()
-        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        stream = WorkerStream(server.address, 64 << 20)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _text(stream.generate(_body("", 2)))  # no request_id
@@ -110,7 +96,7 @@ def test_a_generation_error_is_an_rpc_error_with_the_workers_details_and_the_str
 def test_cancel_aborts_the_generation_in_the_engine() -> None:
     async def run() -> None:
         servicer, server = await _worker(delay=0.01)
-        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        stream = WorkerStream(server.address, 64 << 20)
         try:
             generation = stream.generate(_body("long", 1000))
             await generation.__anext__()
@@ -133,7 +119,7 @@ def test_cancel_aborts_the_generation_in_the_engine() -> None:
 def test_a_stream_the_worker_ended_fails_what_was_on_it_and_the_next_generation_opens_a_new_one() -> None:
     async def run() -> None:
         servicer, server = await _worker(delay=0.01)
-        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        stream = WorkerStream(server.address, 64 << 20)
         try:
             running = stream.generate(_body("a", 10))
             await running.__anext__()
@@ -163,7 +149,7 @@ def test_a_stream_the_worker_ended_fails_what_was_on_it_and_the_next_generation_
 def test_a_lost_worker_fails_every_generation_on_the_stream_as_unavailable_without_details() -> None:
     async def run() -> None:
         _, server = await _worker(delay=0.02)
-        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        stream = WorkerStream(server.address, 64 << 20)
         try:
             generations = [stream.generate(_body(f"r{i}", 500)) for i in range(3)]
             for g in generations:
@@ -189,18 +175,19 @@ class _OldWorker(worker_pb2_grpc.WorkerServiceServicer):
         yield worker_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH, completion_tokens=1)
 
 
-def test_a_worker_without_generate_many_is_served_by_generate_calls() -> None:
+def test_a_worker_without_generate_many_fails_the_generation_with_its_answer() -> None:
+    """The mesh ships from one version: a worker that answers UNIMPLEMENTED is not asked again with Generate calls;
+    each generation fails with that status (the pipeline handles it as any failed call)."""
     async def run() -> None:
         server = await _serve(_OldWorker())
-        fallback, sent = _fallback_calls(server.address)
-        stream = WorkerStream(server.address, 64 << 20, fallback)
+        stream = WorkerStream(server.address, 64 << 20)
         try:
-            first = stream.generate(_body("a"))
-            assert await _text(first) == ("old", common_pb2.FINISH_REASON_LENGTH)
-            assert not stream.supported and len(sent) == 1
-            first.cancel()  # what the pipeline does when a sequence ends: harmless on the call it moved to
-            assert await _text(stream.generate(_body("b"))) == ("old", common_pb2.FINISH_REASON_LENGTH)
-            assert len(sent) == 2  # straight to a call from now on
+            for rid in ("a", "b"):
+                generation = stream.generate(_body(rid))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _text(generation)
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert not generation.cancel()  # what the pipeline does when a sequence ends: a no-op once ended
         finally:
             await stream.close()
             await server._server.stop(0)
@@ -220,7 +207,7 @@ def test_each_frame_carries_the_callers_trace_context(monkeypatch: pytest.Monkey
 
     async def run() -> None:
         _, server = await _worker()
-        stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+        stream = WorkerStream(server.address, 64 << 20)
         tracer = TracerProvider().get_tracer("t")
         try:
             with tracer.start_as_current_span("caller") as span:
@@ -310,7 +297,7 @@ def test_the_stream_carries_the_mesh_token_and_a_stream_without_it_is_refused() 
         tls.configure(tls.Security(mesh_token="s3cret-token-value"))
         try:
             _, server = await _worker()
-            stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+            stream = WorkerStream(server.address, 64 << 20)
             bare = grpc.aio.insecure_channel(server.address)
             try:
                 assert await _text(stream.generate(_body("a", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
@@ -343,7 +330,7 @@ def test_bytes_that_are_not_frames_end_the_stream_with_invalid_argument() -> Non
             err = from_rpc_error(info.value)
             assert err.field == "request" and err.reason == "MALFORMED_MESSAGE"
             # The worker goes on serving.
-            stream = WorkerStream(server.address, 64 << 20, _fallback_calls(server.address)[0])
+            stream = WorkerStream(server.address, 64 << 20)
             assert await _text(stream.generate(_body("ok", 2))) == ("xx", common_pb2.FINISH_REASON_LENGTH)
             await stream.close()
         finally:
@@ -365,8 +352,8 @@ def test_a_stream_cut_as_a_frame_is_written_fails_unanswered_generations_as_drai
     async def run() -> None:
         from embedmesh.services.preprocessor.worker_stream import Generation
 
-        session = _Session(lambda: CutCall(started), lambda: None)
-        running, waiting = (Generation(session, session.next_id(), lambda: None) for _ in range(2))
+        session = _Session(lambda: CutCall(started))
+        running, waiting = (Generation(session, session.next_id()) for _ in range(2))
         session.sinks.update({1: running, 2: waiting})
         assert (await running.__anext__()).text == "x"
         session.send(b"frame")

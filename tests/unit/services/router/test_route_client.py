@@ -68,7 +68,7 @@ async def test_questions_ride_one_route_many_stream() -> None:
         decisions = await asyncio.gather(*(client.route("m", [], 4, f"r{i}") for i in range(20)))
         assert {d.worker_id for d in decisions if d is not None} == {"a"} and None not in decisions
         stream = client._streams[0]
-        assert stream.supported and stream._session is not None and not stream._session.closed
+        assert stream._session is not None and not stream._session.closed
         assert stream._waiting == {}
     await client.close()
     await r.close()
@@ -85,7 +85,7 @@ class _SilentRouter(router_pb2_grpc.RouterServiceServicer):
 
 
 class _OldRouter(router_pb2_grpc.RouterServiceServicer):
-    """A router from before RouteMany: Route only."""
+    """A router without RouteMany (Route only)."""
 
     async def Route(self, request: Any, context: Any) -> Any:  # noqa: N802
         return router_pb2.RouteResponse(worker_id="old", address="127.0.0.1:1", overlap_blocks=0)
@@ -111,12 +111,14 @@ async def test_an_unanswered_question_times_out_as_a_deadline_and_the_router_is_
     await server.drain()
 
 
-async def test_a_router_without_route_many_is_asked_with_route_calls() -> None:
+async def test_a_router_without_route_many_is_not_asked_with_route_calls() -> None:
+    """The mesh ships from one version: UNIMPLEMENTED is a router that did not answer (the caller's pool decides,
+    counted as a fallback by its reason), not a cue to ask with Route calls."""
     server = await _serve(_OldRouter())
     client = RouteClient([server.address], block_size=4, timeout=2)
+    before = fallbacks()
     for _ in range(2):
-        d = await client.route("m", [1], 4)
-        assert d is not None and d.worker_id == "old"
-    assert not client._streams[0].supported
+        assert await client.route("m", [1], 4) is None
+    assert fallbacks() == before + 2
     await client.close()
     await server.drain()
