@@ -162,10 +162,42 @@ def profile_engine(a: argparse.Namespace, label: str) -> None:
         await engine.shutdown()
 
     asyncio.run(go())
+    HFEngine._run = run  # type: ignore[method-assign]
     stats = pstats.Stats(prof)
     for key in ("tottime", "cumulative"):
         print(f"[{label}] engine thread, top 25 by {key}:", flush=True)
         stats.sort_stats(key).print_stats(25)
+    kernels(a, label)
+
+
+def kernels(a: argparse.Namespace, label: str) -> None:
+    """The in-process runs again under torch.profiler: the device's own time per kernel (what the engine asks the
+    GPU to do per step, beside the model's decode step alone)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from embedmesh.services.worker.engines.hf.engine import HFEngine
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
+    done: list[Any] = []
+    run = HFEngine._run
+
+    def profiled(self: Any) -> None:  # torch.profiler records the thread it is started on: the engine's
+        with profile(activities=activities) as prof:
+            run(self)
+        done.append(prof)
+
+    HFEngine._run = profiled  # type: ignore[method-assign]
+
+    async def go() -> None:
+        engine, _ = await in_process(a, label)
+        await engine.shutdown()
+
+    asyncio.run(go())
+    HFEngine._run = run  # type: ignore[method-assign]
+    prof = done[0]
+    key = "cuda_time_total" if a.device.startswith("cuda") else "cpu_time_total"
+    print(f"[{label}] in-process runs under torch.profiler, top 30 by {key}:", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60), flush=True)
 
 
 def _stream(base_url: str, model: str, body: dict[str, Any]) -> tuple[str, int]:
