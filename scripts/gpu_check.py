@@ -188,8 +188,11 @@ def kernels(a: argparse.Namespace, label: str) -> None:
 
     HFEngine._run = profiled  # type: ignore[method-assign]
 
+    # Few steps: a trace of every kernel of the full runs takes minutes to tabulate (seen on an H200: past 200 s).
+    short = argparse.Namespace(**{**vars(a), "max_tokens": min(a.max_tokens, 16), "clients": [max(a.clients)]})
+
     async def go() -> None:
-        engine, _ = await in_process(a, label)
+        engine, _ = await in_process(short, label)
         await engine.shutdown()
 
     asyncio.run(go())
