@@ -201,8 +201,16 @@ def test_bad_ids_and_paging_are_invalid_argument(stub: pb_grpc.ResponsesServiceS
 def test_grpcurl_recipe_of_the_docs(gmesh: Mesh, alpha: openai.OpenAI) -> None:
     """docs/api.md's grpcurl lines, with the real grpcurl binary and reflection (no .proto files)."""
     addr = str(gmesh.extra["grpc"])
-    listed = subprocess.run([grpcurl(), "-plaintext", addr, "list"], capture_output=True, text=True, timeout=30)
+    anonymous = subprocess.run([grpcurl(), "-plaintext", addr, "list"], capture_output=True, text=True, timeout=30)
+    assert anonymous.returncode != 0 and "Unauthenticated" in anonymous.stderr  # reflection wants the key
+    listed = subprocess.run([grpcurl(), "-plaintext", "-H", f"authorization: Bearer {KA}", addr, "list"],
+                            capture_output=True, text=True, timeout=30)
     assert "embedmesh.responses.v1.ResponsesService" in listed.stdout.split(), listed.stderr
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(addr) as ch:  # health stays open to probes (which carry no key, nor use reflection)
+        probe = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+    assert probe.status == health_pb2.HealthCheckResponse.SERVING
     body = {"body": {"model": gmesh.extra["model"], "input": "Hello from grpcurl", "max_output_tokens": 2}}
     made = subprocess.run([grpcurl(), "-plaintext", "-H", f"authorization: Bearer {KA}", "-d", json.dumps(body), addr,
                            "embedmesh.responses.v1.ResponsesService/CreateResponse"],

@@ -20,10 +20,10 @@ from urllib.parse import quote, urlencode
 import grpc
 import orjson
 from google.protobuf import json_format, struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from embedmesh.core.server import server_options
+from embedmesh.core.server import add_public_health, add_public_reflection, server_options
 from embedmesh.responses.v1 import responses_pb2 as pb
 from embedmesh.responses.v1 import responses_pb2_grpc as pb_grpc
 
@@ -290,15 +290,16 @@ class _Registrar:
 
 
 async def serve(app: Any, host: str, port: int, max_message_bytes: int) -> grpc.aio.Server:
-    """Start ``ResponsesService`` for ``app`` on ``host:port``, with health and reflection (grpcurl lists and
-    describes it, as on every port of the mesh); the caller stops it."""
+    """Start ``ResponsesService`` for ``app`` on ``host:port``, with health (open, reads bounded per address) and
+    reflection (for callers with an API key: grpcurl lists and describes it); the caller stops it."""
     server = grpc.aio.server(options=server_options(max_message_bytes))
     pb_grpc.add_ResponsesServiceServicer_to_server(ResponsesServicer(app), _Registrar(server))  # type: ignore[arg-type]
-    checks = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    # A client-facing port like the preprocessor's public one: health open to probes with its reads bounded per
+    # address, reflection read only after the API key (core/inbound.py).
+    checks = add_public_health(server)
     for name in ("", SERVICE):
         await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    add_public_reflection(server, [SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME])
     if not server.add_insecure_port(f"{host}:{port}"):
         raise OSError(f"grpc_port: cannot listen on {host}:{port}")
     await server.start()

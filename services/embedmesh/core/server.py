@@ -435,6 +435,27 @@ class _Registrar:
         self.registered = True
 
 
+def _open_access(method: str) -> Access:
+    """Access on a port's open services: health is open (probes carry no key), reflection wants an API key."""
+    return Access.OPEN if method.lstrip("/").startswith(health.SERVICE_NAME + "/") else Access.PUBLIC
+
+
+def add_public_health(server: grpc.aio.Server,
+                      access_for: Callable[[str], Access] = _open_access) -> health.aio.HealthServicer:
+    """Health on a client-facing port: open to probes, but at most ``inbound.OPEN_READS_PER_ADDRESS`` of its
+    messages read at once per caller address and one over 4 KiB refused before it is parsed (core/inbound.py)."""
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, _Registrar(server, access_for, False, read_after_auth=True))
+    return checks
+
+
+def add_public_reflection(server: grpc.aio.Server, names: list[str],
+                          access_for: Callable[[str], Access] = _open_access) -> None:
+    """Reflection on a client-facing port: described to authenticated callers only, read after the key."""
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+        AsyncReflection(names), _Registrar(server, access_for, False, read_after_auth=True))
+
+
 class Server:
     """A service's gRPC server with health, reflection and drain.
 
@@ -455,12 +476,11 @@ class Server:
         self._require_client_cert = tls.current().tls is not None and not options.public
         # No server interceptor: every method is wrapped once when its service is added (``wrap_handler``).
         self._server = grpc.aio.server(options=server_options(options.max_message_bytes))
-        self.health = health.aio.HealthServicer()
         if options.public:  # open to probes; at most two messages read at once per address (core/inbound.py)
             self._access[health.SERVICE_NAME] = Access.OPEN
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, _Registrar(self._server, self._access_for,
-                                                                                 False, read_after_auth=True))
+            self.health = add_public_health(self._server, self._access_for)
         else:
+            self.health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._service_names: list[str] = []
         self.port = 0
@@ -510,8 +530,7 @@ class Server:
         names = [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if self.options.public:  # described to authenticated callers only, read after the key (core/inbound.py)
             self._access[reflection.SERVICE_NAME] = Access.PUBLIC
-            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-                AsyncReflection(names), _Registrar(self._server, self._access_for, False, read_after_auth=True))
+            add_public_reflection(self._server, names, self._access_for)
         else:
             reflection.enable_server_reflection(names, self._server)
         creds = tls.current().server_credentials(require_client_cert=self._require_client_cert)
