@@ -13,8 +13,9 @@ but the client never got are generated again, never duplicated: the cut is where
 
 The continuation goes where the router places the prompt (its block hashes: the worker holding the prompt
 prefills least) when that is another worker that resumes, else round robin over those. Only workers whose GetInfo
-says ``resumes_generation`` take a continuation (hf, mocker, echo; a vLLM or SGLang
-worker, or an older one, never gets one). Limits (``PreprocessorConfig``): ``migration_limit`` continuations per
+says ``resumes_generation`` take a continuation (hf, mocker, echo, vLLM; an SGLang worker never gets one). A
+worker that takes it may still refuse what it cannot continue exactly (vLLM: seeded sampling, penalties counting
+output tokens, structured outputs) with ``RESUME_UNSUPPORTED``. Limits (``PreprocessorConfig``): ``migration_limit`` continuations per
 sequence, ``migration_max_positions`` (prompt + tokens sent) a continuation may prefill again. A sequence that
 cannot continue — a limit reached, no other worker that resumes, its continuation refused — ends with the cut's
 error, today's UNAVAILABLE ``WORKER_LOST``. Each decision counts in ``embedmesh_stream_migrations_total`` by outcome
