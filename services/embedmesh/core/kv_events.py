@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from embedmesh.router.v1 import router_pb2
 
-__all__ = ["Stored", "Removed", "Cleared", "KvEvent", "to_proto"]
+__all__ = ["Stored", "Removed", "Cleared", "KvEvent", "stored_runs", "to_proto"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,18 @@ class Cleared:
 
 
 KvEvent = Stored | Removed | Cleared
+
+
+def stored_runs(pairs: Sequence[tuple[int, int]]) -> list[Stored]:
+    """(parent, hash) pairs of newly stored blocks, in order, as few ``Stored`` events as chain: consecutive pairs
+    whose parent is the block before join one event."""
+    runs: list[tuple[int, list[int]]] = []
+    for parent, h in pairs:
+        if runs and runs[-1][1][-1] == parent:
+            runs[-1][1].append(h)
+        else:
+            runs.append((parent, [h]))
+    return [Stored(parent, tuple(hs)) for parent, hs in runs]
 
 
 def to_proto(events: Sequence[KvEvent]) -> list[router_pb2.KvEvent]:

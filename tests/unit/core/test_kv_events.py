@@ -36,3 +36,11 @@ def test_events_are_frozen_values() -> None:
     assert e == Stored(1, (2, 3)) and Removed((4,)) == Removed((4,)) and Cleared() == Cleared()
     with pytest.raises(AttributeError):
         e.parent_hash = 5  # type: ignore[misc]
+
+
+def test_stored_runs_joins_only_pairs_that_chain() -> None:
+    from embedmesh.core.kv_events import Stored, stored_runs
+
+    pairs = [(0, 11), (11, 12), (12, 13), (0, 21), (21, 22), (12, 31)]
+    assert stored_runs(pairs) == [Stored(0, (11, 12, 13)), Stored(0, (21, 22)), Stored(12, (31,))]
+    assert stored_runs([]) == []

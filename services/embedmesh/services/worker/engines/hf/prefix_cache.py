@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
-from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored
+from embedmesh.core.kv_events import Cleared, KvEvent, Removed, stored_runs
 from embedmesh.services.worker.engines.base import GenerationRequest, TokenSegment
 
 __all__ = ["PrefixCache", "PrefixCacheCollector", "request_hashes"]
@@ -131,7 +131,7 @@ class PrefixCache:
             gone = [h for h in gone if h not in born]
             self.counters["stored_blocks"] += len(fresh)
             self._remove_count(len(gone))
-            events: list[KvEvent] = [Stored(p, tuple(hs)) for p, hs in _runs(fresh)]
+            events: list[KvEvent] = list(stored_runs(fresh))
             if gone:
                 events.append(Removed(tuple(gone)))
             self._emit(events)
@@ -170,7 +170,7 @@ class PrefixCache:
             for h in reversed(children.get(stack.pop(), ())):
                 order.append((parents[h], h))
                 stack.append(h)
-        return [Stored(p, tuple(hs)) for p, hs in _runs(order)]
+        return list(stored_runs(order))
 
     def _remove_count(self, n: int) -> None:
         self.counters["removed_blocks"] += n
@@ -178,17 +178,6 @@ class PrefixCache:
     def _emit(self, events: list[KvEvent]) -> None:
         if events and self.sink is not None:
             self.sink(events)
-
-
-def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, list[int]]]:
-    """(parent, hash) pairs joined into runs where each hash's parent is the hash before it."""
-    runs: list[tuple[int, list[int]]] = []
-    for parent, h in pairs:
-        if runs and runs[-1][1][-1] == parent:
-            runs[-1][1].append(h)
-        else:
-            runs.append((parent, [h]))
-    return runs
 
 
 class PrefixCacheCollector:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from embedmesh.core.block_hash import ROOT, adapter_block_hashes, block_hashes
-from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored
+from embedmesh.core.kv_events import Cleared, KvEvent, Removed, Stored, stored_runs
 from embedmesh.core.logs import get_logger
 from embedmesh.services.worker.engines.base import Segment, TokenSegment
 
@@ -301,7 +301,7 @@ class KvEventTranslator:
                 self._refs[m] = self._refs.get(m, 0) + 1
                 if self._refs[m] == 1:
                     fresh.append((hashes[i - 1] if i > 0 else ROOT, m))
-        return _runs(fresh)
+        return list(stored_runs(fresh))
 
     # --- matching ---------------------------------------------------------------------------------------------
     def _match(self, start: int, end: int, size: int, token_ids: Sequence[int], extra: list[Any],
@@ -386,15 +386,6 @@ class KvEventTranslator:
         return len(self._refs)
 
 
-def _runs(pairs: list[tuple[int, int]]) -> list[MeshKvEvent]:
-    """Consecutive (parent, hash) pairs that chain into one Stored each."""
-    runs: list[tuple[int, list[int]]] = []
-    for parent, h in pairs:
-        if runs and runs[-1][1][-1] == parent:
-            runs[-1][1].append(h)
-        else:
-            runs.append((parent, [h]))
-    return [Stored(parent, tuple(hs)) for parent, hs in runs]
 
 
 def _key(h: Any) -> Hashable:
