@@ -3,7 +3,8 @@ unary hop measured the same way in the same run.
 
 Each figure is the CPU time (user + system, from ``/proc/<pid>/stat``) a process spent over N sequential requests,
 divided by N, after a warm-up; the load generator's own CPU is measured too. Meshes (echo engine, so no model
-time): the router as its own service, the router in the preprocessor (``--embedded-router``), and each again with
+time): the router as its own service (``--router-process``), the router in the preprocessor (the default with one
+replica, named with ``--embedded-router``), and each again with
 ``--worker-streams off`` (a Generate call per request instead of a frame on the worker's GenerateMany stream) and with
 ``EMBEDMESH_EVENT_LOOP=asyncio`` (the standard loop instead of uvloop). The limit: the bare grpc.aio unary server of
 ``bench_fastpath.py`` (L1), one hop. The first and third meshes are also driven over REST (``POST /v1/completions``
@@ -40,8 +41,8 @@ REST_BODY = b'{"model": "echo", "prompt": [1, 2, 3], "max_tokens": 1}'
 
 STREAMS_OFF = {"EMBEDMESH_PREPROCESSOR_WORKER_STREAMS": "off"}
 VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
-    ("router service", [], {}),
-    ("router service, worker streams off", [], STREAMS_OFF),
+    ("router service", ["--router-process"], {}),
+    ("router service, worker streams off", ["--router-process"], STREAMS_OFF),
     ("router in the preprocessor", ["--embedded-router"], {}),
     ("router in the preprocessor, worker streams off", ["--embedded-router"], STREAMS_OFF),
     ("router in the preprocessor, asyncio loop", ["--embedded-router"], {"EMBEDMESH_EVENT_LOOP": "asyncio"}),

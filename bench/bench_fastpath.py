@@ -846,7 +846,7 @@ def main() -> int:
         stack.callback(bare_grpc.stop)
         bare_http = BareServer("http", env)
         stack.callback(bare_http.stop)
-        mesh = start_mesh(engine="echo", env=env)
+        mesh = start_mesh(engine="echo", env=env, extra_args=["--router-process"])  # the router as a service
         stack.callback(mesh.stop)
         bare_grpc.wait_ready()
         bare_http.wait_ready()
