@@ -86,7 +86,10 @@ def _kill_generating(mesh: Mesh) -> None:
         except Exception:  # noqa: BLE001 - killed earlier
             continue
         if busy:
-            os.kill(child_pid(mesh, f"worker-{i}"), signal.SIGKILL)
+            # The worker's whole process group (the launcher starts each child as its own session): it dies with
+            # its engine's processes, as a container does; vLLM's engine core and workers would outlive a bare
+            # SIGKILL of the worker, holding gigabytes for the rest of the run.
+            os.killpg(child_pid(mesh, f"worker-{i}"), signal.SIGKILL)
             return
     raise AssertionError("no worker was generating the stream")
 
