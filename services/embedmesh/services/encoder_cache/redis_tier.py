@@ -351,15 +351,19 @@ class RedisTier:
         return bool(found)
 
     async def maxmemory(self) -> int:
+        """Redis's ``maxmemory`` (0 when unknown). While Redis is down this call can be the probe (``_skip``), so an
+        answer marks it up again: a Stats poller taking the probe's turn must not keep L2 reported away."""
         if self._skip():
             return 0
         try:
             cfg = await self._client.config_get("maxmemory")
         except self._refused:
-            return 0  # CONFIG may be disabled on managed Redis
+            self._up()  # Redis answered: CONFIG may be disabled on managed Redis
+            return 0
         except self._errors as e:
             self._down(e)
             return 0
+        self._up()
         return int(cfg.get(b"maxmemory", cfg.get("maxmemory", 0)) or 0)
 
 

@@ -190,3 +190,14 @@ async def test_password_and_database_from_the_url() -> None:
         await wrong.close()
     finally:
         s.close()
+
+
+async def test_an_answered_maxmemory_after_an_outage_marks_l2_available_again(tier: RedisTier) -> None:
+    """While Redis is down, the call that finds the probe due is the probe. A Stats poller's ``maxmemory`` can be
+    that call: when Redis answers it, L2 is up again (it used to take the probe's turn and leave L2 reported away,
+    however long Redis had been back, until a request happened to probe first)."""
+    tier._down(OSError("redis went away"))
+    assert not tier.available
+    tier._next_probe = 0.0  # the probe is due
+    assert await tier.maxmemory() >= 0
+    assert tier.available
