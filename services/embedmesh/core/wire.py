@@ -427,6 +427,8 @@ REQUEST_PARSERS: dict[str, Any] = {
     "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
     "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
                                                                      split_generate_header),
+    "/embedmesh.inference.v1.InferenceService/GenerateInline": _parser(inference_pb2.GenerateInlineRequest,
+                                                                       split_generate_header),  # same bytes
 }
 """Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -77,34 +77,51 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         with self.admission.slot("Generate"):  # taken first: a mesh at capacity does not read the rows
             arrival = await self._arrival(request_iterator, _generate_tensors, self._generate_scan)
             header: inference_pb2.GenerateHeader = arrival.request
-            task = header.WhichOneof("task")
-            if task is None:
-                raise InvalidArgument("request.task: the header must hold a completion or a chat",
-                                      field="request.task", reason="REQUIRED")
-            GENERATE_CALLS.labels(task, "true" if header.stream else "false",
-                                  "pieces" if arrival.buffers else "message").inc()
+            task = _task(header, "pieces" if arrival.buffers else "message")
             async with self._serving(arrival):
-                if not header.stream:
-                    if task == "completion":
-                        result = await self.domain.complete(_completion_request(header.completion))
-                        yield inference_pb2.GenerateResponse(
-                            completion=_response(inference_pb2.CompleteResponse, result))
-                    else:
-                        result = await self.domain.chat(_chat_request(header.chat))
-                        yield inference_pb2.GenerateResponse(chat=_response(inference_pb2.ChatResponse, result))
-                    return
-                if task == "completion":
-                    stream = await self.domain.stream_complete(_completion_request(header.completion))
-                    chunk, cls = "completion_chunk", inference_pb2.StreamCompleteResponse
-                else:
-                    stream = await self.domain.stream_chat(_chat_request(header.chat))
-                    chunk, cls = "chat_chunk", inference_pb2.StreamChatResponse
-                ended = False
-                async for item in stream.items:
-                    if not ended:  # nothing goes out before the client's stream ended within the rules
-                        await arrival.finished()
-                        ended = True
-                    yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
+                async for event in self._answer(header, task, arrival.finished):
+                    yield event
+
+    async def GenerateInline(  # noqa: N802
+        self, request: inference_pb2.GenerateInlineRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """``Generate`` for a request in one message (a unary request): the same header served by the same code,
+        without a pieces stream to read, so every tensor carries its bytes (in ``data``, or cut out of the
+        received bytes by ``core.wire`` into the call's wire views)."""
+        with self.admission.slot("GenerateInline"):
+            if not request.HasField("request"):
+                raise InvalidArgument("request: GenerateInline takes a header (completion or chat)",
+                                      field="request", reason="REQUIRED")
+            header = request.request
+            _inline_only(header)
+            task = _task(header, "message")
+            async for event in self._answer(header, task, None):
+                yield event
+
+    async def _answer(self, header: inference_pb2.GenerateHeader, task: str,
+                      finished: Callable[[], Awaitable[None]] | None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The events answering ``header`` (Generate's and GenerateInline's): one whole completion or chat, or its
+        chunks. ``finished`` (a pieces stream's end) is awaited before the first chunk goes out: nothing is
+        answered before the client's stream ended within the rules."""
+        if not header.stream:
+            if task == "completion":
+                result = await self.domain.complete(_completion_request(header.completion))
+                yield inference_pb2.GenerateResponse(completion=_response(inference_pb2.CompleteResponse, result))
+            else:
+                result = await self.domain.chat(_chat_request(header.chat))
+                yield inference_pb2.GenerateResponse(chat=_response(inference_pb2.ChatResponse, result))
+            return
+        if task == "completion":
+            stream = await self.domain.stream_complete(_completion_request(header.completion))
+            chunk, cls = "completion_chunk", inference_pb2.StreamCompleteResponse
+        else:
+            stream = await self.domain.stream_chat(_chat_request(header.chat))
+            chunk, cls = "chat_chunk", inference_pb2.StreamChatResponse
+        async for item in stream.items:
+            if finished is not None:
+                await finished()
+                finished = None
+            yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
 
     def _generate_scan(self, header: inference_pb2.GenerateHeader) -> pieces.Scan | None:
         """A completion's one big prompt tensor is checked as it arrives and sent on (``_completion_scan``)."""
@@ -268,6 +285,28 @@ def _generate_tensors(header: inference_pb2.GenerateHeader) -> Iterator[tuple[st
         yield from _completion_tensors(header.completion)
     elif task == "chat":
         yield from _chat_tensors(header.chat)
+
+
+def _task(header: inference_pb2.GenerateHeader, transport: str) -> str:
+    """The header's task ("completion" or "chat"), refused by name when it has none; the call is counted."""
+    task = header.WhichOneof("task")
+    if task is None:
+        raise InvalidArgument("request.task: the header must hold a completion or a chat",
+                              field="request.task", reason="REQUIRED")
+    GENERATE_CALLS.labels(task, "true" if header.stream else "false", transport).inc()
+    return task
+
+
+def _inline_only(header: inference_pb2.GenerateHeader) -> None:
+    """GenerateInline has no rows after its header: a raw tensor whose shape wants bytes and that carries none (in
+    ``data``, or cut out of the received bytes) is refused by name, pointing at Generate."""
+    views = tensors.wire_views() or {}
+    for path, tensor in _generate_tensors(header):
+        if len(tensor.data) or path in views or not tensor.shape or not all(d > 0 for d in tensor.shape):
+            continue  # bytes inline, or no rows to want (an odd shape is refused by name by the domain)
+        raise InvalidArgument(
+            f"{path}.data: GenerateInline takes every tensor's bytes inline; a tensor without data (its rows sent "
+            f"after the header) needs Generate's pieces stream", field=f"{path}.data", reason="PIECES_NEED_GENERATE")
 
 
 def _completion_request(params: inference_pb2.CompletionParams) -> CompletionRequest:
