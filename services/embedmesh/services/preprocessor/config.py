@@ -82,10 +82,16 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     lora_load_on_demand: bool = option(False, aliases=("EMBEDMESH_LORA_LOAD_ON_DEMAND",))
     """A request naming a LoRA adapter that no healthy worker holds (but one held since start) loads it on the
     least-loaded worker of its model first; off: such a request is refused."""
-    image_encoder: str = option("efficientnet-lite0", choices=("efficientnet-lite0", "off"))
+    image_encoder: str = option("efficientnet-lite0", choices=("efficientnet-lite0", "dinov2", "off"))
     """The encode stage for chat ``image_url`` parts (docs/images.md): ``efficientnet-lite0`` = an ImageNet
     classifier + a training-free projector into the model's own input embeddings (a soft prompt of class names, built
-    from the served model's folder on the first image); ``off`` = image parts are refused."""
+    from the served model's folder on the first image); ``dinov2`` = DINOv2-small's 257 patch tokens through the
+    LLaVA-style projector in ``--image-projector`` (plumbing only unless that projector was trained for it);
+    ``off`` = image parts are refused."""
+    image_projector: str = ""
+    """For ``--image-encoder dinov2``: a folder holding ``mm_projector.safetensors`` (or ``.bin``), LLaVA's
+    ``0.weight, 0.bias, 2.weight, 2.bias`` of Linear(384 -> H), GELU, Linear(H -> H), H = each served model's hidden
+    size; checked at start-up."""
     max_image_bytes: int = 20 * MiB
     """Cap on one image file (after base64 decoding), checked before decoding."""
     max_image_pixels: int = 4096 * 4096
@@ -135,6 +141,8 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_image_bytes must be >= 1024 and max_image_pixels >= 1")
         if not self.image_fetch_timeout_seconds > 0:
             raise ValueError("image_fetch_timeout_seconds must be > 0")
+        if self.image_encoder == "dinov2" and not self.image_projector:
+            raise ValueError("image_encoder dinov2 needs image_projector: a folder holding mm_projector.safetensors")
         if self.migration_limit < 0 or self.migration_max_positions < 0:
             raise ValueError("migration_limit and migration_max_positions must be >= 0")
         if not self.drain_seconds >= 0:

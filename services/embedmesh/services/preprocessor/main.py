@@ -133,7 +133,8 @@ def vision_stage(config: PreprocessorConfig, cache: TieredCache, default_folder:
     folders = {name: Path(f) for name, f in config.model_tokenizers}
     return VisionStage(cache, limits=ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels),
                        folder_of=lambda model: folders.get(model, Path(default_folder)), encoder=config.image_encoder,
-                       hosts=config.image_url_hosts, fetch_timeout_seconds=config.image_fetch_timeout_seconds)
+                       hosts=config.image_url_hosts, fetch_timeout_seconds=config.image_fetch_timeout_seconds,
+                       projector=config.image_projector, model_folders=[Path(default_folder), *folders.values()])
 
 
 def public_message_cap(config: PreprocessorConfig) -> int:
