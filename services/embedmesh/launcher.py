@@ -8,6 +8,8 @@ and on Ctrl-C (or SIGTERM) drain and stop them all.
 Children live in their own sessions (Ctrl-C reaches only the launcher, which stops them in order: SIGTERM, each
 drains for up to ``--drain-seconds``, then SIGKILL) and die with the launcher whatever kills it, SIGKILL included
 (Linux ``PR_SET_PDEATHSIG``), so no child outlives it holding a port. A second Ctrl-C stops waiting for the drain.
+What a child starts (a vLLM worker's engine core and workers) stays in the child's process group, which the
+launcher empties once the child is gone, whether it crashed or was stopped (``launch_procs.py``).
 
 SIGINT and SIGTERM stop the mesh however the launcher was started: a background job of a non-interactive shell
 (``make run &``, a supervisor, a CI runner) starts with SIGINT ignored, which the launcher overrides with its own
@@ -23,15 +25,9 @@ the children share a fresh random mesh token. With neither, the launcher says lo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import signal
-import ssl
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,71 +35,24 @@ from pathlib import Path
 from embedmesh import mesh_spec
 from embedmesh.core import callers
 from embedmesh.core.config import Settings, option
+from embedmesh.launch_procs import (
+    STOP_SIGNALS,
+    MeshProcess,
+    StopSignals,
+    force_stop,
+    spawn_process,
+    stop_all,
+    wait_healthy,
+    watch,
+)
 from embedmesh.launch_security import KEY_VARS, OPEN_WARNING, security_env  # noqa: F401 - KEY_VARS, OPEN_WARNING: re-exported
 from embedmesh.services.router.scoring import MODES
 from embedmesh.services.worker.engines import registry
 
-__all__ = ["main", "MeshProcess"]
+__all__ = ["main", "MeshProcess", "STOP_SIGNALS", "stop_all"]
 
 MESH = mesh_spec.load()
 """``deploy/mesh.yaml``: the services started, their modules, default ports and calls."""
-
-
-@dataclass
-class MeshProcess:
-    name: str
-    address: str
-    proc: subprocess.Popen[bytes]
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""What stops the mesh (Ctrl-C, an orchestrator's stop), and what each child drains on."""
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking the kernel to SIGKILL the child when the launcher dies (Linux; None elsewhere).
-    libc is resolved here, in the parent: the child only makes the system call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before the line above: nobody would stop this child
-            os._exit(1)
-
-    return preexec
-
-
-def _child_preexec() -> Callable[[], None]:
-    """The ``preexec_fn`` of every child: the stop signals back at their defaults, then ``_die_with_parent``.
-
-    exec keeps an *ignored* signal ignored (only handled ones go back to default), so a launcher started with SIGINT
-    ignored would hand that on; a child then starts as it would from a terminal, whatever started the launcher."""
-    die = _die_with_parent()
-
-    def preexec() -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        if die is not None:
-            die()
-
-    return preexec
-
-
-def _spawn_process(name: str, module: str, args: list[str], env: dict[str, str],
-                   python: str = sys.executable) -> subprocess.Popen[bytes]:
-    # Own session per child: Ctrl-C reaches the launcher, which stops children in order; and each child dies with
-    # the launcher (PR_SET_PDEATHSIG) even when the launcher is SIGKILLed.
-    return subprocess.Popen([python, "-m", module, *args], env=env, start_new_session=True,
-                            preexec_fn=_child_preexec())  # noqa: PLW1509 - the launcher runs no threads
 
 
 def _source_path() -> str:
@@ -113,42 +62,6 @@ def _source_path() -> str:
     services = Path(embedmesh.core.__file__).resolve().parents[2]
     root = services.parent
     return os.pathsep.join(str(p) for p in (services, root / "gateway", root / "gen" / "python"))
-
-
-def _wait_healthy(url: str, procs: list[MeshProcess], timeout: float, ca: Path | None = None) -> bool:
-    """Until the gateway's /health says every service serves (``"status": "ok"``)."""
-    import json
-
-    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.proc.poll() is not None:
-                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; see its log above", flush=True)
-                return False
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=context) as r:
-                if r.status == 200 and json.loads(r.read()).get("status") == "ok":
-                    return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
-            pass
-        time.sleep(0.3)
-    return False
-
-
-def stop_all(procs: list[MeshProcess], grace: float = 40.0) -> None:
-    """SIGTERM in reverse start order (gateway first), wait ``grace`` seconds (the drain, plus a margin), then
-    SIGKILL stragglers."""
-    for p in reversed(procs):
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in reversed(procs):
-        try:
-            p.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait()
 
 
 def _worker_python(engine: str, flag: str, a: argparse.Namespace, env: dict[str, str]) -> tuple[str, dict[str, str]]:
@@ -478,7 +391,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
         own = {**child_env, **certs.get(cert, {})}
         if not callers.needs_mesh_token(cert, tls=bool(certs)):
             own.pop("EMBEDMESH_MESH_TOKEN", None)  # least privilege: core/callers.py says who holds it
-        return _spawn_process(name, module, args, own, python)
+        return spawn_process(name, module, args, own, python)
 
     plan = _Plan(a, env, _spawn, {}, [], [])
     for name in check_mesh():
@@ -486,76 +399,8 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
     return plan.procs
 
 
-class _StopSignals:
-    """The launcher's own SIGINT and SIGTERM handler, installed whatever the launcher inherited: started as a
-    background job of a non-interactive shell it inherits SIGINT *ignored* (and Python then installs no
-    KeyboardInterrupt handler), so without this Ctrl-C from a test harness or supervisor would never stop it.
-
-    A signal before ``arm`` (while the children are being started) is remembered and acted on at ``arm``, so the
-    children started so far are stopped in order rather than left to ``PR_SET_PDEATHSIG``; once armed, a signal
-    raises KeyboardInterrupt in the main loop."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._armed = False
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        first = self.received is None
-        self.received = signum
-        if self._armed or not first:  # a second signal during start-up stops waiting too
-            raise KeyboardInterrupt
-
-    def arm(self) -> None:
-        """From here on a signal interrupts; raises at once if one came while disarmed."""
-        self._armed = True
-        if self.received is not None:
-            raise KeyboardInterrupt
-
-
-def _force_stop(procs: list[MeshProcess]) -> None:
-    """A second Ctrl-C while draining: SIGKILL whatever still runs."""
-    for p in procs:
-        if p.proc.poll() is None:
-            p.proc.kill()
-    for p in procs:
-        p.proc.wait()
-
-
-def _survivable(p: MeshProcess, procs: list[MeshProcess]) -> str | None:
-    """Why the mesh keeps serving without ``p`` (gone), or None when it cannot: one worker or router replica of
-    several (the router drops the worker; the preprocessors ask the other routers), or the embedding worker."""
-    if p.name == "embed-worker":
-        return "the mesh serves generation without it"
-    for prefix, what in (("worker-", "worker(s)"), ("router", "router replica(s)")):
-        if p.name.startswith(prefix):
-            alive = [q for q in procs if q.name.startswith(prefix) and q.proc.poll() is None]
-            if alive:
-                return f"{len(alive)} {what} still serving"
-    return None
-
-
-def _watch(procs: list[MeshProcess], grace: float) -> int:
-    """Until a child the mesh cannot serve without exits (then stop the rest: exit status 1)."""
-    reported: set[str] = set()
-    while True:
-        for p in procs:
-            if p.proc.poll() is None or p.name in reported:
-                continue
-            reported.add(p.name)
-            why = _survivable(p, procs)
-            if why is not None:
-                print(f"[launcher] {p.name} exited with code {p.proc.returncode}; {why}", flush=True)
-                continue
-            print(f"[launcher] {p.name} exited with code {p.proc.returncode}; stopping the mesh", flush=True)
-            stop_all(procs, grace)
-            return 1
-        time.sleep(0.5)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signals = _StopSignals()
+    signals = StopSignals()
     a = parse_args(argv)
     env = {**os.environ}
     tls_env, security_lines = security_env(a, env)
@@ -575,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                   f", workers :{a.metrics_port_base + 10}..", flush=True)
         gateway = procs[-1].address
         ca = Path(a.tls_dir) / "ca.pem" if a.gateway_tls else None
-        if not _wait_healthy(f"{gateway}/health", procs, a.ready_timeout, ca):
+        if not wait_healthy(f"{gateway}/health", procs, a.ready_timeout, ca):
             print("[launcher] the mesh did not become healthy; stopping. Check the logs above.", flush=True)
             stop_all(procs, grace)
             return 1
@@ -583,14 +428,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{next(p.address for p in procs if p.name == 'preprocessor')}",
               flush=True)
         print("[launcher] press Ctrl-C to stop", flush=True)
-        return _watch(procs, grace)
+        return watch(procs, grace)
     except KeyboardInterrupt:
         print("\n[launcher] stopping (draining in-flight requests)...", flush=True)
         try:
             stop_all(procs, grace)
         except KeyboardInterrupt:
             print("[launcher] second signal: killing what is left", flush=True)
-            _force_stop(procs)
+            force_stop(procs)
             return 1
         print("[launcher] stopped", flush=True)
         return 0

@@ -21,26 +21,12 @@ from embedmesh import launcher
 from embedmesh.router.v1 import router_pb2, router_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.mesh import Mesh, port_bindable, start_mesh
+from tests.support.process_tree import wait_gone
 
 
 def _child_pids(mesh: Mesh) -> dict[str, int]:
     return {name: int(pid) for name, pid in re.findall(r"\[launcher\]\s+(\S+)\s+\S+\s+\(pid (\d+)\)",
                                                         mesh.log_tail(100_000))}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], limit: float = 30) -> list[int]:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _port_free(port: int) -> bool:
@@ -63,7 +49,7 @@ def test_children_die_with_a_sigkilled_launcher() -> None:
         assert all(os.getsid(pid) == pid for pid in pids.values())
         os.kill(mesh.proc.pid, signal.SIGKILL)
         mesh.proc.wait()
-        assert _wait_gone(list(pids.values())) == []
+        assert wait_gone(list(pids.values())) == []
         # Sockets close with their process; allow the kernel a moment, then name any port still held.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not all(_port_free(p) for p in _ports(mesh)):
@@ -78,7 +64,7 @@ def test_ctrl_c_stops_every_child_and_exits_0() -> None:
     pids = list(_child_pids(mesh).values())
     assert len(pids) == 3
     assert mesh.stop() == 0  # SIGINT, as Ctrl-C sends it
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
     assert "[launcher] stopped" in mesh.log_tail()
 
 
@@ -113,7 +99,7 @@ def test_ctrl_c_stops_a_launcher_started_with_sigint_ignored() -> None:
     finally:
         code = mesh.stop()
     assert code == 0, mesh.log_tail()
-    assert _wait_gone(list(pids.values())) == []
+    assert wait_gone(list(pids.values())) == []
     log = mesh.log_tail(1_000_000)
     assert "[launcher] stopped" in log
     assert _stopped_services(log) == {"worker", "preprocessor", "gateway"}
@@ -125,7 +111,7 @@ def test_the_launcher_handles_both_stop_signals_whatever_it_inherited() -> None:
     before = {sig: signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
               for sig in launcher.STOP_SIGNALS}
     try:
-        signals = launcher._StopSignals()
+        signals = launcher.StopSignals()
         assert all(signal.getsignal(sig) == signals._on_signal for sig in launcher.STOP_SIGNALS)
         os.kill(os.getpid(), signal.SIGTERM)  # while starting: remembered, nothing raised
         assert signals.received == signal.SIGTERM
@@ -161,7 +147,7 @@ def test_the_mesh_token_goes_only_to_the_services_that_use_it(tls: bool, extra: 
         envs[name] = env
         return _FakeProc()
 
-    monkeypatch.setattr(launcher, "_spawn_process", spawn)
+    monkeypatch.setattr(launcher, "spawn_process", spawn)
     a = _args(*(["--tls", "--tls-dir", str(tmp_path)] if tls else []), *extra)
     env = dict(os.environ)  # as main() starts
     per_child, _ = launcher.security_env(a, env)
@@ -331,7 +317,7 @@ def test_one_router_replica_runs_inside_the_preprocessor_unless_asked_for_a_proc
         return _FakeProc()
 
     monkeypatch.delenv("EMBEDMESH_ROUTER_MODE", raising=False)
-    monkeypatch.setattr(launcher, "_spawn_process", spawn)
+    monkeypatch.setattr(launcher, "spawn_process", spawn)
     started = _plan(["--workers", "2", "--engine", "mocker", "--router-mode", "round-robin"])
     by_label = {label: args for label, _, args in started}
     assert [label for label, _, _ in started] == ["worker-0", "worker-1", "preprocessor", "gateway"]
