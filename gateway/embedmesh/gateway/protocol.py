@@ -83,47 +83,34 @@ def _error_response(err: ApiError, close: bool = True) -> bytes:
     ])
 
 
-_CAPS: weakref.WeakKeyDictionary[Any, ClientCaps] = weakref.WeakKeyDictionary()
-"""One ``ClientCaps`` per uvicorn server (its ``ServerState``, shared by every connection it accepts)."""
+class _ServerLimits:
+    """What every connection of one uvicorn server shares, built once from the gateway's settings (the app's
+    ``state.gateway.config``; the defaults when the app is not the gateway's): the caps for clients without a key
+    and the tenants' admission."""
 
-
-def _caps_for(protocol: GatewayHttpProtocol) -> ClientCaps:
-    caps = _CAPS.get(protocol.server_state)
-    if caps is None:
-        # The gateway's settings when the app is the gateway's (``app.state.gateway``), else the defaults.
-        gw = getattr(getattr(protocol.config.app, "state", None), "gateway", None)
-        settings = getattr(gw, "config", None)
-        caps = ClientCaps(getattr(settings, "anon_connections_per_ip", client_caps.CONNECTIONS_PER_IP),
-                          getattr(settings, "anon_requests_per_ip", client_caps.REQUESTS_PER_IP),
-                          idle=GatewayHttpProtocol._idle, close=GatewayHttpProtocol._evict)
-        _CAPS[protocol.server_state] = caps
-    return caps
-
-
-class _Tenants:
-    """Per-tenant admission of one uvicorn server, with what it needs of the gateway's settings."""
-
-    def __init__(self, admission: TenantAdmission, metrics_require_key: bool) -> None:
-        self.admission = admission
-        self.metrics_require_key = metrics_require_key
+    def __init__(self, app: Any) -> None:
+        settings = getattr(getattr(getattr(app, "state", None), "gateway", None), "config", None)
+        self.caps = ClientCaps(getattr(settings, "anon_connections_per_ip", client_caps.CONNECTIONS_PER_IP),
+                               getattr(settings, "anon_requests_per_ip", client_caps.REQUESTS_PER_IP),
+                               idle=GatewayHttpProtocol._idle, close=GatewayHttpProtocol._evict)
+        self.admission = TenantAdmission(getattr(settings, "max_inflight", 0), getattr(settings, "tenant_share", 1.0))
+        self.metrics_require_key = bool(getattr(settings, "metrics_require_key", False))
 
     def admits(self, path: str) -> bool:
         """Whether the app's admission counts a request for ``path``: every route that needs a key but /metrics."""
         return path != "/metrics" and needs_key(path, self.metrics_require_key)
 
 
-_TENANTS: weakref.WeakKeyDictionary[Any, _Tenants] = weakref.WeakKeyDictionary()
+_LIMITS: weakref.WeakKeyDictionary[Any, _ServerLimits] = weakref.WeakKeyDictionary()
+"""One ``_ServerLimits`` per uvicorn server (keyed by its ``ServerState``, which every connection it accepts is
+handed): built at its first connection, then only read."""
 
 
-def _tenants_for(protocol: GatewayHttpProtocol) -> _Tenants:
-    tenants = _TENANTS.get(protocol.server_state)
-    if tenants is None:
-        gw = getattr(getattr(protocol.config.app, "state", None), "gateway", None)
-        settings = getattr(gw, "config", None)
-        admission = TenantAdmission(getattr(settings, "max_inflight", 0), getattr(settings, "tenant_share", 1.0))
-        tenants = _Tenants(admission, bool(getattr(settings, "metrics_require_key", False)))
-        _TENANTS[protocol.server_state] = tenants
-    return tenants
+def _limits_of(protocol: GatewayHttpProtocol) -> _ServerLimits:
+    limits = _LIMITS.get(protocol.server_state)
+    if limits is None:
+        limits = _LIMITS[protocol.server_state] = _ServerLimits(protocol.config.app)
+    return limits
 
 
 def _route_of(app: Any, method: str, path: str) -> str | None:
@@ -179,7 +166,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _keyed_only = False  # a connection past its IP's cap: only requests with a valid key are served
     _refusal: ApiError | None = None  # the answer to give when the parser is stopped on purpose
     _skipping = False  # the request being received was answered from its headers: its body is being skipped
-    _tenants: _Tenants | None = None
+    _limits: _ServerLimits | None = None  # what this connection's server shares among its connections
     _counted: deque[tuple[bool, str | None]]
     """Per request of this connection not yet answered: counted in the IP's requests; the tenant it is counted for."""
 
@@ -188,10 +175,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.logger = _QuietLog(self, self.logger)  # type: ignore[assignment]
         self._counted = deque()
         self._watch(HEADER_SECONDS, self._headers_late)
-        self._tenants = _tenants_for(self)
+        self._limits = _limits_of(self)
         if self.client:
             self._ip = client_caps.address_key(self.client[0])
-            self._caps = _caps_for(self)
+            self._caps = self._limits.caps
             self._keyed_only = not self._caps.connected(self._ip, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -214,8 +201,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         """Give back what one answered request held: its IP's request, its tenant's slot."""
         if anonymous and self._caps is not None:
             self._caps.release_request(self._ip)
-        if tenant is not None and self._tenants is not None:
-            self._tenants.admission.leave(tenant)
+        if tenant is not None and self._limits is not None:
+            self._limits.admission.leave(tenant)
 
     @staticmethod
     def _idle(conn: GatewayHttpProtocol) -> bool:
@@ -262,13 +249,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         open routes) is neither counted nor refused; neither is a refusal sent for a request the app would answer
         404/405, nor for a pipelined one (answers go out in order: the app's own admission refuses it, and the
         preprocessor applies the rate)."""
-        tenants = self._tenants
+        limits = self._limits
         path = httptools.parse_url(self.url).path.decode("latin-1")
         if "%" in path:
             path = urllib.parse.unquote(path)
-        if tenants is None or not tenants.admits(path):
+        if limits is None or not limits.admits(path):
             return None, None
-        err = tenants.admission.enter(key)
+        err = limits.admission.enter(key)
         if err is None:
             return key.tenant, None
         if self.cycle is not None and not self.cycle.response_complete:

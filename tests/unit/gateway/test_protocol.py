@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -175,6 +176,49 @@ def test_a_pipelined_request_after_a_big_body_is_not_taken_for_long_headers() ->
     written = asyncio.run(run())
     assert written.count(b"HTTP/1.1 200 OK") == 2, written[:400]
     assert b"headers_too_large" not in written
+
+
+class _Settings:
+    """An app whose gateway settings count how often they are read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.state = SimpleNamespace(gateway=self)
+
+    @property
+    def config(self) -> SimpleNamespace:
+        self.reads += 1
+        return SimpleNamespace(anon_connections_per_ip=3, anon_requests_per_ip=5, max_inflight=8, tenant_share=0.5,
+                               metrics_require_key=True)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await _ok(scope, receive, send)
+
+
+def test_a_servers_limits_are_built_once_from_its_settings_and_shared_by_its_connections() -> None:
+    """The caps and the tenants' admission of a server come from the gateway's settings, read at its first
+    connection only; its later connections share them, and another server has its own."""
+    app = _Settings()
+
+    async def run() -> list[GatewayHttpProtocol]:
+        config = uvicorn.Config(app, log_config=None, lifespan="off", http=GatewayHttpProtocol)
+        config.load()
+        one, other = ServerState(), ServerState()
+        protos = [GatewayHttpProtocol(config=config, server_state=s, app_state={}) for s in (one, one, one, other)]
+        for proto in protos:
+            proto.connection_made(_Transport())
+        for proto in protos:
+            proto.connection_lost(None)
+        return protos
+
+    a, b, c, d = asyncio.run(run())
+    assert app.reads == 2  # one read per server, none per connection
+    assert a._limits is b._limits is c._limits and d._limits is not a._limits
+    limits = a._limits
+    assert limits is not None and a._caps is limits.caps
+    assert (limits.caps.connections_per_ip, limits.caps.requests_per_ip) == (3, 5)
+    assert limits.admission.share == 4 and limits.metrics_require_key
+    assert limits.admits("/v1/models") and not limits.admits("/metrics") and not limits.admits("/health")
 
 
 def _read_answer_then_close(s: socket.socket) -> tuple[int, dict[str, Any]]:
