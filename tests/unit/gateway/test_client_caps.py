@@ -18,6 +18,7 @@ import uvicorn
 from embedmesh.core import auth
 from embedmesh.gateway import client_caps
 from embedmesh.gateway.protocol import GatewayHttpProtocol
+from tests.support.raw_http import read_answer
 
 KEY = "good-key-123"
 
@@ -81,14 +82,6 @@ def _get(path: str, key: str = "") -> bytes:
     return f"GET {path} HTTP/1.1\r\nhost: x\r\n{auth_line}\r\n".encode()
 
 
-async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
-    body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
-    return int(lines[0].split()[1]), headers, body
-
-
 def _is_429(answer: tuple[int, dict[str, str], bytes], what: str) -> None:
     status, headers, body = answer
     assert status == 429, answer
@@ -107,16 +100,16 @@ async def test_a_new_connection_past_the_cap_closes_the_oldest_idle_one(keys: No
     r1, w1 = await _open(port)  # says nothing: a slow client
     r2, w2 = await _open(port)
     r3, w3 = await _open(port)  # the third stranger's connection from this address
-    _is_429(await _answer(r1), "connections")
+    _is_429(await read_answer(r1), "connections")
     assert await _closed(r1)
     for w in (w2, w3):  # the two newest are served
         w.write(_get("/now"))
-    assert (await _answer(r2))[0] == 200 and (await _answer(r3))[0] == 200
+    assert (await read_answer(r2))[0] == 200 and (await read_answer(r3))[0] == 200
     # another address has its own count
     others = [await _open(port, "127.0.0.2") for _ in range(2)]
     for r, w in others:
         w.write(_get("/now"))
-        assert (await _answer(r))[0] == 200
+        assert (await read_answer(r))[0] == 200
     for w in (w1, w2, w3, *(w for _, w in others)):
         w.close()
 
@@ -131,13 +124,13 @@ async def test_past_the_cap_with_every_connection_busy_only_a_keyed_request_is_s
     await asyncio.sleep(0.1)
     r3, w3 = await _open(port)
     w3.write(_get("/now"))  # no key: this connection is past the cap and no other one is idle
-    _is_429(await _answer(r3), "connections")
+    _is_429(await read_answer(r3), "connections")
     r4, w4 = await _open(port)
     w4.write(_get("/now", KEY) + _get("/now"))  # a key: served; the connection no longer counts
-    assert (await _answer(r4))[0] == 200 and (await _answer(r4))[0] == 200
+    assert (await read_answer(r4))[0] == 200 and (await read_answer(r4))[0] == 200
     app.release.set()
     for r, _ in busy:
-        assert (await _answer(r))[0] == 200
+        assert (await read_answer(r))[0] == 200
     for w in (w3, w4, *(w for _, w in busy)):
         w.close()
 
@@ -152,23 +145,23 @@ async def test_requests_in_flight_past_the_cap_are_429_and_keyed_ones_are_not_co
     await asyncio.sleep(0.1)
     r, w = await _open(port)
     w.write(_get("/now"))
-    _is_429(await _answer(r), "requests in flight")
+    _is_429(await read_answer(r), "requests in flight")
     assert await _closed(r)
     keyed = [await _open(port) for _ in range(3)]
     for _, kw in keyed:
         kw.write(_get("/held", KEY))
     other_r, other_w = await _open(port, "127.0.0.2")
     other_w.write(_get("/now"))
-    assert (await _answer(other_r))[0] == 200  # another address: its own count
+    assert (await read_answer(other_r))[0] == 200  # another address: its own count
     app.release.set()
     for rr, _ in [*held, *keyed]:
-        assert (await _answer(rr))[0] == 200
+        assert (await read_answer(rr))[0] == 200
     # the slots came back: two at once again
     again = [await _open(port) for _ in range(2)]
     for _, aw in again:
         aw.write(_get("/now"))
     for ar, _ in again:
-        assert (await _answer(ar))[0] == 200
+        assert (await read_answer(ar))[0] == 200
     for ww in (w, other_w, *(x for _, x in [*held, *keyed, *again])):
         ww.close()
 
@@ -178,13 +171,13 @@ async def test_pipelined_requests_past_the_depth_are_429(keys: None, served: Any
     app, port = served
     r, w = await _open(port)
     w.write(_get("/held") + _get("/now") * (client_caps.PIPELINE_DEPTH + 1))
-    _is_429(await _answer(r), "pipelined")
+    _is_429(await read_answer(r), "pipelined")
     assert await _closed(r)
     w.close()
     r2, w2 = await _open(port)
     w2.write(_get("/now", KEY) * (client_caps.PIPELINE_DEPTH + 4))  # keyed: served in order, every one
     for _ in range(client_caps.PIPELINE_DEPTH + 4):
-        assert (await _answer(r2))[0] == 200
+        assert (await read_answer(r2))[0] == 200
     w2.close()
 
 
@@ -197,7 +190,7 @@ async def test_with_no_keys_configured_nothing_is_capped(served: Any) -> None:
     await asyncio.sleep(0.1)
     app.release.set()
     for r, _ in conns:
-        assert (await _answer(r))[0] == 200
+        assert (await read_answer(r))[0] == 200
     for _, w in conns:
         w.close()
 
@@ -218,7 +211,7 @@ async def test_the_gateways_settings_set_the_caps(keys: None) -> None:
     try:
         r1, w1 = await _open(port)
         r2, w2 = await _open(port)  # one stranger's connection at a time: the first makes room
-        _is_429(await _answer(r1), "connections")
+        _is_429(await read_answer(r1), "connections")
         w1.close()
         w2.close()
     finally:

@@ -24,6 +24,7 @@ from embedmesh.gateway import GatewayConfig, create_app
 from embedmesh.gateway.errors import ApiError
 from embedmesh.gateway.protocol import SKIP_BODY_BYTES, GatewayHttpProtocol
 from embedmesh.gateway.tenant_admission import TenantAdmission
+from tests.support.raw_http import read_answer
 
 SLOW, POLITE, RATED = "slowpoke-key-1", "polite-key-123", "rated-key-1234"
 
@@ -89,14 +90,6 @@ def _post(key: str, headers: str = "", body: bytes = b"{}", path: str = "/v1/tes
     return (f"POST {path} HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\n{length}{headers}\r\n").encode() + body
 
 
-async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
-    body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 10)
-    return int(lines[0].split()[1]), headers, body
-
-
 async def _hold(mesh: _Mesh) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """slowpoke's one request in flight (its key allows one), held until ``mesh.release``."""
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
@@ -118,7 +111,7 @@ async def test_a_tenant_at_its_share_is_refused_before_its_100_mb_body_is_sent(s
     started = _Counting.started
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     writer.write(_post(SLOW, "content-length: 100000000\r\ncontent-type: application/json\r\n", body=b""))
-    status, headers, body = await _answer(reader)  # no byte of the 100 MB was sent
+    status, headers, body = await read_answer(reader)  # no byte of the 100 MB was sent
     assert status == 429, body
     err = json.loads(body)["error"]
     assert err["code"] == "rate_limit_exceeded" and "'slowpoke'" in err["message"] and "in flight" in err["message"]
@@ -132,11 +125,11 @@ async def test_a_tenant_at_its_share_is_refused_before_its_100_mb_body_is_sent(s
     # Another tenant is admitted meanwhile.
     r2, w2 = await asyncio.open_connection("127.0.0.1", mesh.port)
     w2.write(_post(POLITE))
-    assert (await _answer(r2))[0] == 200
+    assert (await read_answer(r2))[0] == 200
     mesh.release.set()
-    assert (await _answer(held_reader))[0] == 200
+    assert (await read_answer(held_reader))[0] == 200
     w2.write(_post(SLOW))  # the tenant's slot came back (on polite's kept-alive connection: keys are per request)
-    assert (await _answer(r2))[0] == 200
+    assert (await read_answer(r2))[0] == 200
     for w in (writer, held_writer, w2):
         w.close()
 
@@ -148,14 +141,14 @@ async def test_a_small_refused_body_is_skipped_and_the_connection_serves_the_nex
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     body = b'{"prompt": "' + b"x" * (SKIP_BODY_BYTES - 100) + b'"}'
     writer.write(_post(SLOW, body=body))
-    status, headers, answer = await _answer(reader)
+    status, headers, answer = await read_answer(reader)
     assert status == 429 and json.loads(answer)["error"]["code"] == "rate_limit_exceeded"
     assert "connection" not in headers and headers["retry-after"] == "1"  # kept alive
     assert _Counting.started == started
     mesh.release.set()
-    assert (await _answer(held_reader))[0] == 200
+    assert (await read_answer(held_reader))[0] == 200
     writer.write(_post(SLOW))  # the next request on the same connection: the skipped body was not taken for it
-    assert (await _answer(reader))[0] == 200
+    assert (await read_answer(reader))[0] == 200
     assert _Counting.started == started + 1
     for w in (writer, held_writer):
         w.close()
@@ -168,11 +161,11 @@ async def test_a_request_without_a_body_is_refused_on_a_connection_that_stays(se
     started = _Counting.started
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     writer.write(f"GET /v1/models HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {SLOW}\r\n\r\n".encode())
-    status, headers, _ = await _answer(reader)
+    status, headers, _ = await read_answer(reader)
     assert status == 429 and "connection" not in headers
     assert _Counting.started == started
     writer.write(_post(POLITE))  # the same connection serves the next request
-    assert (await _answer(reader))[0] == 200
+    assert (await read_answer(reader))[0] == 200
     for w in (writer, held_writer):
         w.close()
 
@@ -187,7 +180,7 @@ async def test_a_body_held_back_or_of_unknown_length_closes_the_connection(serve
     started = _Counting.started
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     writer.write(_post(SLOW, headers, body=b""))
-    status, answer_headers, _ = await _answer(reader)
+    status, answer_headers, _ = await read_answer(reader)
     assert status == 429 and answer_headers["connection"] == "close"
     assert await asyncio.wait_for(reader.read(), 10) == b""
     assert _Counting.started == started
@@ -201,17 +194,17 @@ async def test_a_tenant_over_its_requests_per_second_is_refused_from_its_headers
     mesh = served
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     writer.write(_post(RATED))
-    assert (await _answer(reader))[0] == 200
+    assert (await read_answer(reader))[0] == 200
     started = _Counting.started
     writer.write(_post(RATED))
-    status, headers, body = await _answer(reader)
+    status, headers, body = await read_answer(reader)
     assert status == 429 and headers["retry-after"] == "2", (headers, body)
     err = json.loads(body)["error"]
     assert err == {"message": "tenant 'rated' is over its 0.5 requests per second", "type": "rate_limit_error",
                    "param": None, "code": "rate_limit_exceeded"}
     assert _Counting.started == started
     writer.write(_post(POLITE))  # kept alive; other tenants are not rated by it
-    assert (await _answer(reader))[0] == 200
+    assert (await read_answer(reader))[0] == 200
     writer.close()
 
 
@@ -221,9 +214,9 @@ async def test_routes_the_app_does_not_admit_are_never_refused_by_it(served: _Me
     held_reader, held_writer = await _hold(mesh)
     reader, writer = await asyncio.open_connection("127.0.0.1", mesh.port)
     writer.write(f"GET /health HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {SLOW}\r\n\r\n".encode())
-    assert (await _answer(reader))[0] != 429
+    assert (await read_answer(reader))[0] != 429
     writer.write(_post(SLOW, path="/v1/no_such_route"))
-    assert (await _answer(reader))[0] == 404
+    assert (await read_answer(reader))[0] == 404
     for w in (writer, held_writer):
         w.close()
 
