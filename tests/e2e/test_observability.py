@@ -55,7 +55,7 @@ def test_metrics_endpoints(mesh: Any) -> None:
     assert 'embedmesh_gateway_requests_total{route="/v1/completions",status="200"}' in gateway
     base = mesh.extra["metrics_base"]
     pre = urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/metrics", timeout=10).read().decode()
-    assert 'embedmesh_rpc_requests_total{code="OK",method="Generate",service="preprocessor"}' in pre
+    assert 'embedmesh_rpc_requests_total{code="OK",method="GenerateInline",service="preprocessor"}' in pre
     assert 'embedmesh_preprocessor_generate_total{stream="false",task="completion",transport="message"}' in pre
     assert "embedmesh_time_to_first_token_seconds_bucket" in pre
     worker = urllib.request.urlopen(f"http://127.0.0.1:{base + 10}/metrics", timeout=10).read().decode()

@@ -1,12 +1,12 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI JSON in, one gRPC call, OpenAI JSON or SSE out.
 
-Both go through ``InferenceService.Generate`` (``pieces_body.generate``: big payloads as a pieces stream, the rest
-as one message). Non-streamed: its one ``completion``/``chat`` event → one ``text_completion``/``chat.completion``
-object. Streamed: its ``completion_chunk``/``chat_chunk`` events → SSE chunks in OpenAI's shape; ``finish_reason``
-appears exactly once per choice; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
-last chunk with ``"choices": []`` carries the usage; then ``data: [DONE]``. The first gRPC message is awaited before
-the HTTP response starts, so a request the preprocessor rejects is a plain OpenAI error with its HTTP status; a failure
-after that is an SSE ``{"error": {...}}`` event followed by ``[DONE]``.
+Both go through ``pieces_body.generate``: big payloads as an ``InferenceService.Generate`` pieces stream, the rest as
+one ``InferenceService.GenerateInline`` message. Non-streamed: its one ``completion``/``chat`` event → one
+``text_completion``/``chat.completion`` object. Streamed: its ``completion_chunk``/``chat_chunk`` events → SSE chunks in
+OpenAI's shape; ``finish_reason`` appears exactly once per choice; with ``stream_options.include_usage`` every chunk
+carries ``"usage": null`` and a last chunk with ``"choices": []`` carries the usage; then ``data: [DONE]``. The first
+gRPC message is awaited before the HTTP response starts, so a request the preprocessor rejects is a plain OpenAI error
+with its HTTP status; a failure after that is an SSE ``{"error": {...}}`` event followed by ``[DONE]``.
 """
 
 from __future__ import annotations

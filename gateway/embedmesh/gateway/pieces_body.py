@@ -1,6 +1,7 @@
-"""The gateway's one generation call, ``InferenceService.Generate`` (``generate``): a request whose decoded
-``prompt_embeds`` are big goes as a pieces stream, the header with each tensor's dtype and shape, then the tensors'
-values in 1 MiB pieces, each copied once just before gRPC sends it; any other as one message (``wire_body``).
+"""The gateway's generation call (``generate``): a request whose decoded ``prompt_embeds`` are big goes as an
+``InferenceService.Generate`` pieces stream, the header with each tensor's dtype and shape, then the tensors' values
+in 1 MiB pieces, each copied once just before gRPC sends it; any other as one message to
+``InferenceService.GenerateInline`` (``wire_body``: the same bytes, a unary request).
 
 Why: sent as one message, a 64 MiB payload is joined into the request bytes, copied again by gRPC, received whole by
 the preprocessor before anything starts, hashed for the encoder cache and decoded there. As pieces of raw tensors
@@ -33,7 +34,14 @@ from embedmesh.core import fastpath, wire
 from embedmesh.core.errors import answered_by_peer, from_rpc_error
 from embedmesh.core.tensor_codec import StoredTensor, stored_tensor
 from embedmesh.gateway.errors import ApiError
-from embedmesh.gateway.wire_body import Part, generate_call, generate_request_bytes, header_bytes, plain_request_bytes
+from embedmesh.gateway.wire_body import (
+    Part,
+    generate_call,
+    generate_request_bytes,
+    header_bytes,
+    inline_call,
+    plain_request_bytes,
+)
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
@@ -131,7 +139,7 @@ def fall_back(e: grpc.aio.AioRpcError) -> bool:
 
 
 class GenerateCall:
-    """A ``Generate`` call (``first()``), made again as one message (``again()``) when a pieces stream fails before
+    """A generation call (``first()``), made again as one message (``again()``) when a pieces stream fails before
     any response in a way ``fall_back`` accepts. Awaited for a whole answer (its one event), or read like a
     streaming call; ``cancel`` cancels whichever call is current, so a disconnect watcher can hold it from the
     start."""
@@ -180,16 +188,17 @@ def _one_message(params: Any, blobs: Sequence[Part], chat: bool, stream: bool) -
 
 def generate(channel: grpc.aio.Channel, params: inference_pb2.CompletionParams | inference_pb2.ChatParams,
              blobs: Sequence[Part], *, chat: bool, stream: bool, timeout: float, min_bytes: int) -> GenerateCall:
-    """``InferenceService.Generate`` of ``params`` (built with ``blobs`` by ``translate``): its events unwrapped
+    """The generation of ``params`` (built with ``blobs`` by ``translate``): its events unwrapped
     (``completion_chunk``/``chat_chunk`` messages when ``stream``, else one ``completion``/``chat``). Big payloads
-    go as a pieces stream (``min_bytes``, see the module docstring), the rest as one message."""
+    go as a Generate pieces stream (``min_bytes``, see the module docstring), the rest as one GenerateInline
+    message."""
     pieces = None
     if blobs:
         pieces = (chat_pieces if chat else completion_pieces)(params, blobs, min_bytes, stream=stream)  # type: ignore
     if pieces is None:
         data = _one_message(params, blobs, chat, stream)
-        return GenerateCall(lambda: generate_call(channel, "unary_stream")(data, timeout=timeout))
+        return GenerateCall(lambda: inline_call(channel, stream)(data, timeout=timeout))
     messages = pieces.messages()
     return GenerateCall(
         lambda: generate_call(channel, "stream_stream")(messages, timeout=timeout),
-        lambda: generate_call(channel, "unary_stream")(_one_message(params, blobs, chat, stream), timeout=timeout))
+        lambda: inline_call(channel, stream)(_one_message(params, blobs, chat, stream), timeout=timeout))

@@ -9,10 +9,10 @@
 A create is rewritten as the chat body it means (``responses_shape.to_chat``: instructions as a system message, the
 stored conversation of ``previous_response_id``, the new input items as messages, ``text.format`` as
 ``response_format``, function tools as chat tools) and goes through the chat path's own checks
-(``translate.chat_params``) and gRPC call (``Generate``); a refusal names the Responses field. With
-``store`` (the default) the response, the conversation up to its output and its input items go to the response
-store (``response_store.py``) under the caller's tenant: another tenant's id is the same 404 as an unknown one. A
-follow-up turn sends only its new input; the gateway puts the stored conversation before it.
+(``translate.chat_params``) and gRPC call (``GenerateInline``, or ``Generate`` for big payloads); a refusal names the
+Responses field. With ``store`` (the default) the response, the conversation up to its output and its input items go to
+the response store (``response_store.py``) under the caller's tenant: another tenant's id is the same 404 as an unknown
+one. A follow-up turn sends only its new input; the gateway puts the stored conversation before it.
 
 A ``background`` response runs on a task of this gateway and is read back by its id; ``cancel`` marks it cancelled
 in the store (so a run finishing meanwhile, here or on another replica, does not overwrite it) and cancels the

@@ -79,6 +79,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
         self.requests: list[tuple[str, Any]] = []
         self.cancelled = threading.Event()
         self.sent_after_cancel = 0
+        self.inline_calls = 0
+        """GenerateInline calls (the rest came as Generate streams)."""
 
     def reset(self) -> None:
         self.script = Script()
@@ -106,7 +108,7 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
                     getattr(pe, pe.WhichOneof("source")).data = bytes(view)
             if isinstance(m, wire.RowsPiece):
                 rows += m.data
-            elif m.WhichOneof("part") == "request":
+            elif isinstance(m, inference_pb2.GenerateInlineRequest) or m.WhichOneof("part") == "request":
                 header = m.request
             else:
                 rows += m.rows
@@ -123,6 +125,18 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
             return
         async for item in (self.stream_chat(sent, context) if chat else self.stream_complete(sent, context)):
             yield inference_pb2.GenerateResponse(**{"chat_chunk" if chat else "completion_chunk": item})
+
+    async def GenerateInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        """The same call in one message (a unary request), recorded and answered as Generate's one message is (inline
+        tensors cut out of the received bytes come as the call's wire views: put back too)."""
+        self.inline_calls += 1
+        views = wire.tensor_views()
+
+        async def one() -> Any:
+            yield wire.WireRequest(request, views) if views else request
+
+        async for event in self.Generate(one(), context):
+            yield event
 
     async def complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if self.script.error is not None:

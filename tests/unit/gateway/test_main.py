@@ -75,6 +75,10 @@ class _SlowStream(inference_pb2_grpc.InferenceServiceServicer):
             self.cancelled.set()
             raise
 
+    async def GenerateInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        async for event in self.Generate(None, context):
+            yield event
+
 
 @pytest.fixture
 def slow_preprocessor() -> Iterator[tuple[str, _SlowStream]]:
