@@ -25,9 +25,12 @@ def test_typescript_client_streams_the_same_text(mesh: Any, embeds_of: Any, tmp_
     emb = embeds_of("The capital of France is").numpy().astype("<f4")
     path = tmp_path / "prompt.f32"
     path.write_bytes(emb.tobytes())
+    before = (_chunked_calls(mesh, "GenerateInline"), _chunked_calls(mesh))
     r = subprocess.run(["node", str(SCRIPT), mesh.preprocessor, MODEL, str(path), str(emb.shape[0]),
                         str(emb.shape[1]), "10"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    # a small tensor: one GenerateInline message, no Generate stream
+    assert (_chunked_calls(mesh, "GenerateInline"), _chunked_calls(mesh)) == (before[0] + 1, before[1])
     out = json.loads(r.stdout)
     with Client(mesh.preprocessor) as c:
         expected = c.complete(MODEL, embeds=emb, max_tokens=10, temperature=0)
@@ -47,11 +50,11 @@ def test_typescript_client_reports_the_status(mesh: Any, tmp_path: Path) -> None
     assert err["code"] == 3 and "hidden size" in err["details"]
 
 
-def _chunked_calls(mesh: Any) -> float:
+def _chunked_calls(mesh: Any, method: str = "Generate") -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{mesh.extra['metrics_base'] + 1}/metrics", timeout=10).read()
-    prefix = 'embedmesh_rpc_requests_total{code="OK",method="Generate",service="preprocessor"} '
+    prefix = f'embedmesh_rpc_requests_total{{code="OK",method="{method}",service="preprocessor"}} '
     return sum(float(line[len(prefix):]) for line in text.decode().splitlines() if line.startswith(prefix))
 
 

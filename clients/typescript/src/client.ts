@@ -82,7 +82,8 @@ export function float32Tensor(values: Float32Array, rows: number, hidden: number
   };
 }
 
-/** Tensors of this many bytes or more go as rows after the Generate header: no message size limit to raise. */
+/** Tensors of this many bytes or more go as rows after the Generate header: no message size limit to raise.
+ * Smaller ones go inside the header, one GenerateInline message (a unary request: less work for both sides). */
 export const CHUNKED_MIN = 1 << 20;
 const CHUNK_BYTES = 1 << 20;
 
@@ -123,9 +124,9 @@ export class EmbedmeshClient {
   }
 
   /** Stream a completion of one embeddings prompt; calls onDelta for every delta, resolves with the whole.
-   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. One
-   * InferenceService.Generate call: a tensor of CHUNKED_MIN bytes or more goes as rows after the header (in 1 MiB
-   * pieces), a smaller one inside the header. */
+   * `model` is any id listModels() returns: a base model, or a loaded LoRA adapter's name. One call: a tensor of
+   * CHUNKED_MIN bytes or more goes as rows after the header of an InferenceService.Generate stream (in 1 MiB
+   * pieces), a smaller one inside the header of one InferenceService.GenerateInline message. */
   streamComplete(
     model: string,
     tensor: ReturnType<typeof float32Tensor>,
@@ -138,16 +139,20 @@ export class EmbedmeshClient {
         finishReasons: [],
         usage: { promptTokens: 0, completionTokens: 0, totalTokens: 0 },
       };
-      const call = this.stub.Generate();
-      const chunked = tensor.data.length >= CHUNKED_MIN;
-      const head = chunked ? { dtype: tensor.dtype, shape: tensor.shape } : tensor;
-      call.write({ request: { completion: { model, promptEmbeds: [{ tensor: head }], sampling }, stream: true } });
-      if (chunked) {
+      const header = (t: object) => ({
+        request: { completion: { model, promptEmbeds: [{ tensor: t }], sampling }, stream: true },
+      });
+      let call: any;
+      if (tensor.data.length >= CHUNKED_MIN) {
+        call = this.stub.Generate();
+        call.write(header({ dtype: tensor.dtype, shape: tensor.shape }));
         for (let i = 0; i < tensor.data.length; i += CHUNK_BYTES) {
           call.write({ rows: tensor.data.subarray(i, i + CHUNK_BYTES) });
         }
+        call.end();
+      } else {
+        call = this.stub.GenerateInline(header(tensor));
       }
-      call.end();
       call.on("data", (event: any) => {
         const msg = event.completionChunk;
         if (!msg) return;

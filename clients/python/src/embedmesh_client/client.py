@@ -50,18 +50,27 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 _GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
+_GENERATE_INLINE = "/embedmesh.inference.v1.InferenceService/GenerateInline"
 
 
-def _generate_call(channel: Any) -> Any:
-    """``InferenceService.Generate`` as a raw call: its messages are written as bytes (``requests.chunk_messages``:
-    one copy of each piece of rows, none by protobuf)."""
-    return channel.stream_stream(_GENERATE, request_serializer=None,
-                                 response_deserializer=inference_pb2.GenerateResponse.FromString)
+class _Calls:
+    """The generation calls as raw calls taking message bytes (``requests.chunk_messages``: one copy of each piece of
+    rows, none by protobuf): ``pieces``, ``InferenceService.Generate`` for a header and its rows; ``inline``,
+    ``InferenceService.GenerateInline`` for one message (the same bytes as a one-message Generate stream; a unary
+    request costs grpc's client and the server less CPU); ``whole``, GenerateInline made as a unary call, for an
+    answer without stream, which is exactly one event (the same call on the wire: one message and the status; the
+    unary path costs the client less again)."""
+
+    def __init__(self, channel: Any) -> None:
+        events = inference_pb2.GenerateResponse.FromString
+        self.pieces = channel.stream_stream(_GENERATE, request_serializer=None, response_deserializer=events)
+        self.inline = channel.unary_stream(_GENERATE_INLINE, request_serializer=None, response_deserializer=events)
+        self.whole = channel.unary_unary(_GENERATE_INLINE, request_serializer=None, response_deserializer=events)
 
 
 class _Prepared:
-    """A completion or chat for ``Generate``, its raw tensors' bytes kept aside (``rows``): sent as rows after the
-    header when they are big enough (``CHUNKED_MIN``), else put back into the header, one message."""
+    """A completion or chat, its raw tensors' bytes kept aside (``rows``): sent as rows after the header (Generate)
+    when they are big enough (``CHUNKED_MIN``), else put back into the header, one message (GenerateInline)."""
 
     def __init__(self, task: str, params: Any, rows: list[memoryview], stream: bool) -> None:
         self.task = task
@@ -80,12 +89,18 @@ class _Prepared:
         return cls("chat", chat_params(model, messages, rows=rows, **kw), rows, stream)
 
     def messages(self) -> Iterator[bytes]:
-        """The Generate stream's messages: the header, then the rows in pieces (or the header alone, rows inside)."""
+        """The messages: the header, then the rows in pieces (a Generate stream); or the header alone with the rows
+        inside when they are small (a GenerateInline request: ``inline``)."""
         if sum(len(r) for r in self.rows) < CHUNKED_MIN:
             fill_rows(self.params, self.rows)
             self.rows = []
         header = inference_pb2.GenerateHeader(stream=self.stream, **{self.task: self.params})
         return chunk_messages(header.SerializeToString(), self.rows)
+
+    @property
+    def inline(self) -> bool:
+        """Whether ``messages`` is one message (after it was called)."""
+        return not self.rows
 
 
 def _whole(events: Sequence[inference_pb2.GenerateResponse], kind: str) -> Any:
@@ -140,7 +155,7 @@ class Client:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._generate = _generate_call(self._channel)
+        self._generate = _Calls(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
@@ -171,7 +186,8 @@ class Client:
         raise AssertionError("unreachable")
 
     def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        """One ``Generate`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header."""
+        """One ``GenerateInline`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header
+        of a ``Generate`` call instead."""
         return _whole(self._events(_Prepared.completion(model, kw, stream=False)), "completion")
 
     def stream_complete(self, model: str, **kw: Any) -> Iterator[inference_pb2.StreamCompleteResponse]:
@@ -179,7 +195,7 @@ class Client:
             yield event.completion_chunk
 
     def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        """One ``Generate`` call, big raw tensors in the parts as rows after the header, as for ``complete``."""
+        """One ``GenerateInline`` call, or ``Generate`` with big raw tensors in the parts, as for ``complete``."""
         return _whole(self._events(_Prepared.chat(model, messages, kw, stream=False)), "chat")
 
     def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
@@ -188,7 +204,17 @@ class Client:
             yield event.chat_chunk
 
     def _events(self, p: _Prepared) -> Iterator[inference_pb2.GenerateResponse]:
-        call = self._generate(p.messages(), timeout=self.timeout, metadata=self._md)
+        messages = p.messages()
+        if p.inline and not p.stream:
+            try:
+                yield self._generate.whole(next(messages), timeout=self.timeout, metadata=self._md)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+            return
+        if p.inline:
+            call = self._generate.inline(next(messages), timeout=self.timeout, metadata=self._md)
+        else:
+            call = self._generate.pieces(messages, timeout=self.timeout, metadata=self._md)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -335,7 +361,7 @@ class AsyncClient:
         self._channel = channel(address)
         self._vs_channel = channel(vector_store_address) if vector_store_address not in (None, address) else None
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._generate = _generate_call(self._channel)
+        self._generate = _Calls(self._channel)
         self._cache = cache_pb2_grpc.EncoderCacheServiceStub(self._channel)
         self._vs = vectorstore_pb2_grpc.VectorStoreServiceStub(self._vs_channel or self._channel)
         self._md = _metadata(api_key)
@@ -366,7 +392,8 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def complete(self, model: str, **kw: Any) -> inference_pb2.CompleteResponse:
-        """One ``Generate`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header."""
+        """One ``GenerateInline`` call; big raw tensors (``CHUNKED_MIN`` bytes or more) go as rows after the header
+        of a ``Generate`` call instead."""
         return _whole([e async for e in self._events(_Prepared.completion(model, kw, stream=False))], "completion")
 
     async def stream_complete(self, model: str, **kw: Any) -> AsyncIterator[inference_pb2.StreamCompleteResponse]:
@@ -374,7 +401,7 @@ class AsyncClient:
             yield event.completion_chunk
 
     async def chat(self, model: str, messages: Sequence[dict[str, Any]], **kw: Any) -> inference_pb2.ChatResponse:
-        """One ``Generate`` call, big raw tensors in the parts as rows after the header, as for ``complete``."""
+        """One ``GenerateInline`` call, or ``Generate`` with big raw tensors in the parts, as for ``complete``."""
         return _whole([e async for e in self._events(_Prepared.chat(model, messages, kw, stream=False))], "chat")
 
     async def stream_chat(self, model: str, messages: Sequence[dict[str, Any]],
@@ -383,7 +410,17 @@ class AsyncClient:
             yield event.chat_chunk
 
     async def _events(self, p: _Prepared) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        call = self._generate(p.messages(), timeout=self.timeout, metadata=self._md)
+        messages = p.messages()
+        if p.inline and not p.stream:
+            try:
+                yield await self._generate.whole(next(messages), timeout=self.timeout, metadata=self._md)
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e) from None
+            return
+        if p.inline:
+            call = self._generate.inline(next(messages), timeout=self.timeout, metadata=self._md)
+        else:
+            call = self._generate.pieces(messages, timeout=self.timeout, metadata=self._md)
         try:
             async for event in call:
                 yield event
