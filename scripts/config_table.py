@@ -34,6 +34,8 @@ CONFIGS: list[tuple[str, str, str, str]] = [
      "VectorStoreConfig"),
     ("encoder cache (standalone)", "embedmesh.services.encoder_cache.main", "embedmesh.services.encoder_cache.main",
      "EncoderCacheConfig"),
+    ("image encoder", "embedmesh.services.image_encoder.main", "embedmesh.services.image_encoder.config",
+     "ImageEncoderConfig"),
 ]
 """(title, main module, config module, class) of every process documented in docs/configuration.md, in its order."""
 

@@ -6,12 +6,15 @@
                       whose bytes were decoded before is not decoded again: its BLAKE3 maps to its pixel digest)
       -> encoder      one per model folder, built on first use (torch is imported then, not at start-up):
                       EfficientNet-Lite0 + the class-name projector over that model's own input embeddings, or
-                      DINOv2-small + a LLaVA-style projector from a folder (``vision/dinov2.py``)
+                      DINOv2-small + a LLaVA-style projector from a folder (``vision/dinov2.py``); or, with
+                      ``--image-encoder-address``, the encode service's (``vision/remote.py``): its GetInfo gives
+                      the identity, its Encode the rows on a cache miss
       -> cache        rows kept in the encoder cache (L1, Redis L2 when configured) under
                       ``v1:image:<encoder digest>:<dtype>:<pixel digest>``: computed by the server from the decoded
                       pixels and the encoder's identity, in the key space no client can write; concurrent requests
                       for one image share one encode (``TieredCache.get_or_compute``)
       -> rows         validated with the prompt_embeds rules (``core.embeds``), in the model dtype, read-only
+                      (a remote encoder's answer too: its shape and dtype are never trusted)
 
 The rows then travel exactly like a chat ``prompt_embeds`` part. Their routing block hashes are computed over the
 rows (``core.block_hash``), and the rows are a function of the pixel digest alone, so a repeated image gives the
@@ -33,16 +36,19 @@ import numpy as np
 
 from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
-from embedmesh.core.errors import FailedPrecondition, InvalidArgument
+from embedmesh.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
+from embedmesh.core.tensors import to_numpy
 from embedmesh.services.encoder_cache.keys import validated_key
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.vision.decode import ImageLimits, data_url_bytes, decode_image
 from embedmesh.vision.fetch import fetch_image, is_http_url
 from embedmesh.vision.metrics import IMAGE_CACHE_HITS, IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
+from embedmesh.vision.remote import EncodeServiceClient, RemoteEncoder
 
-__all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder", "dinov2_encoder"]
+__all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder", "dinov2_encoder",
+           "encoder_factory", "encoder_digest", "ROWS_PER_IMAGE"]
 
 log = get_logger("vision")
 
@@ -52,6 +58,8 @@ _SEEN = 4096
 ENCODERS = ("efficientnet-lite0", "dinov2", "off")
 """``--image-encoder`` values: the EfficientNet-Lite0 soft prompt (default), DINOv2-small + the projector folder
 ``--image-projector`` names (plumbing only unless that projector was trained for it), or no images."""
+ROWS_PER_IMAGE = {"dinov2": 257}
+"""Rows per image of encoders whose count is fixed (CLS + 16 x 16 patches); the soft prompt's depends on the image."""
 
 
 @dataclass(frozen=True)
@@ -121,26 +129,48 @@ def dinov2_encoder(projector: Path) -> Callable[[Path], Encoder]:
     return build
 
 
+def encoder_factory(encoder: str, projector: str | Path = "",
+                    model_folders: Sequence[Path] = ()) -> Callable[[Path], Encoder]:
+    """Model folder -> encoder for ``--image-encoder`` (not ``off``). ``dinov2``: the projector folder is checked
+    here against each of ``model_folders``' hidden size (start-up fails on a wrong file, naming it and the rule;
+    the weights load on the first image)."""
+    if encoder == "dinov2":
+        from embedmesh.vision.dinov2 import model_hidden_size, read_projector_shapes
+
+        if not str(projector):
+            raise ValueError("--image-encoder dinov2 needs --image-projector: a folder holding "
+                             "mm_projector.safetensors (or .bin)")
+        for folder in model_folders or [None]:
+            read_projector_shapes(Path(projector), None if folder is None else model_hidden_size(Path(folder)))
+        return dinov2_encoder(Path(projector))
+    if encoder != "efficientnet-lite0":
+        raise ValueError(f"image encoder must be one of {list(ENCODERS[:-1])}, got {encoder!r}")
+    return soft_prompt_encoder
+
+
+def encoder_digest(identity: str) -> str:
+    """The encoder part of an image's cache key: BLAKE3 of its identity, 32 hex digits (in process or remote, the
+    same encoder gives the same digest, so both share Redis L2 entries)."""
+    return blake3.blake3(identity.encode()).hexdigest()[:32]
+
+
 class VisionStage:
     """Image parts -> rows for the model that serves the request (see the module docstring)."""
 
     def __init__(self, cache: TieredCache, *, limits: ImageLimits, folder_of: Callable[[str], Path | None],
                  encoder: str = "efficientnet-lite0", hosts: Sequence[str] = (), fetch_timeout_seconds: float = 10.0,
                  factory: Callable[[Path], Encoder] | None = None, projector: str | Path = "",
-                 model_folders: Sequence[Path] = ()) -> None:
+                 model_folders: Sequence[Path] = (), remote: EncodeServiceClient | None = None) -> None:
         """``projector``: the folder of ``dinov2``'s projector, checked here against each of ``model_folders``'
-        hidden size (start-up fails on a wrong file, naming it and the rule; the weights load on the first image)."""
+        hidden size (start-up fails on a wrong file, naming it and the rule; the weights load on the first image).
+        ``remote``: encode through the encode service instead (no weights in this process; ``factory`` unused)."""
         if encoder not in ENCODERS:
             raise ValueError(f"image encoder must be one of {list(ENCODERS)}, got {encoder!r}")
-        if factory is None and encoder == "dinov2":
-            from embedmesh.vision.dinov2 import model_hidden_size, read_projector_shapes
-
-            if not str(projector):
-                raise ValueError("--image-encoder dinov2 needs --image-projector: a folder holding "
-                                 "mm_projector.safetensors (or .bin)")
-            for folder in model_folders or [None]:
-                read_projector_shapes(Path(projector), None if folder is None else model_hidden_size(Path(folder)))
-            factory = dinov2_encoder(Path(projector))
+        if factory is None and encoder != "off" and remote is None:
+            factory = encoder_factory(encoder, projector, model_folders)
+        self.remote = remote
+        self._remotes: dict[str, RemoteEncoder] = {}
+        """Served model -> the service's encoder for it (described once; dropped when the service fails)."""
         self.cache = cache
         self.limits = limits
         self.folder_of = folder_of
@@ -156,7 +186,20 @@ class VisionStage:
         self._seen: OrderedDict[bytes, str] = OrderedDict()
         """BLAKE3 of an image file's bytes -> its pixel digest, for files decoded before (LRU, ``_SEEN``)."""
 
-    async def _encoder_for(self, model: str, spec: ModelSpec, field: str) -> Encoder:
+    async def _remote_for(self, model: str, field: str) -> RemoteEncoder:
+        assert self.remote is not None
+        enc = self._remotes.get(model)
+        if enc is None:
+            enc = self._remotes[model] = await self.remote.describe(model, field)
+        return enc
+
+    async def _encoder_for(self, model: str, spec: ModelSpec, field: str) -> Encoder | RemoteEncoder:
+        if self.remote is not None:
+            remote = await self._remote_for(model, field)
+            if remote.hidden_size != spec.hidden_size:
+                raise InvalidArgument(f"{field}: the image encoder gives rows of {remote.hidden_size} values, model "
+                                      f"{model!r} takes {spec.hidden_size}", field=field, reason="IMAGES_UNSUPPORTED")
+            return remote
         folder = self.folder_of(model) if self.encoder != "off" else None
         if folder is None:
             raise InvalidArgument(f"{field}: this server has no image encoder for model {model!r}; send text or "
@@ -214,8 +257,7 @@ class VisionStage:
         else:
             self._seen.move_to_end(file_digest)
         enc = await self._encoder_for(model, spec, field)
-        encoder_digest = blake3.blake3(enc.identity.encode()).hexdigest()[:32]
-        key = validated_key(f"image:{encoder_digest}:{spec.dtype}", digest)
+        key = validated_key(f"image:{encoder_digest(enc.identity)}:{spec.dtype}", digest)
         computed = False
 
         async def encode() -> CachedTensor:
@@ -223,12 +265,16 @@ class VisionStage:
             computed = True
             if image is None:  # the file was seen, its rows since evicted
                 image = await asyncio.to_thread(decode_image, data, field, self.limits)
-            async with self._running:
-                started = time.perf_counter()
-                out = await asyncio.to_thread(enc.encode, image.pixels)
-                IMAGE_ENCODE_SECONDS.labels(enc.name).observe(time.perf_counter() - started)
+            started = time.perf_counter()
+            if isinstance(enc, RemoteEncoder):
+                rows = await self._remote_rows(enc, model, image.pixels, spec, field)
+            else:
+                async with self._running:
+                    started = time.perf_counter()
+                    out = await asyncio.to_thread(enc.encode, image.pixels)
+                rows = validate_embeds(out, tensor_pb2.DATA_TYPE_FP32, spec, field=field, max_tokens=0)
+            IMAGE_ENCODE_SECONDS.labels(enc.name).observe(time.perf_counter() - started)
             IMAGE_ENCODES.labels(enc.name).inc()
-            rows = validate_embeds(out, tensor_pb2.DATA_TYPE_FP32, spec, field=field, max_tokens=0)
             rows.setflags(write=False)
             return CachedTensor(rows, spec.dtype)
 
@@ -237,3 +283,20 @@ class VisionStage:
             IMAGE_CACHE_HITS.labels(enc.name).inc()
         check_context(int(rows.shape[0]), max_tokens, spec.max_context_tokens, field=field, wording=ROWS)
         return rows
+
+    async def _remote_rows(self, enc: RemoteEncoder, model: str, pixels: np.ndarray, spec: ModelSpec,
+                           field: str) -> np.ndarray:
+        """The service's rows for ``pixels``, held to every prompt_embeds rule (dtype, rank, width, rows, finite,
+        the context) as a client's would be; a service that breaks one is refused as unavailable, not trusted."""
+        try:
+            answer = await enc.encode_remote(pixels, field)
+        except Unavailable:
+            self._remotes.pop(model, None)  # described again next time: the replica may come back with other weights
+            raise
+        try:
+            arr, dtype = to_numpy(answer, field=field, data=memoryview(answer.data))
+            return validate_embeds(arr, dtype, spec, field=field, max_tokens=0)
+        except InvalidArgument as e:
+            raise Unavailable(f"{field}: the image encoder {enc.name} (service at {', '.join(enc.client.addresses)}) "
+                              f"answered rows this server refuses: {e}", field=field, reason="ENCODER_BAD_ROWS",
+                              retry_after_seconds=1.0) from None

@@ -88,6 +88,10 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     from the served model's folder on the first image); ``dinov2`` = DINOv2-small's 257 patch tokens through the
     LLaVA-style projector in ``--image-projector`` (plumbing only unless that projector was trained for it);
     ``off`` = image parts are refused."""
+    image_encoder_address: tuple[str, ...] = option((), metavar="host:port")
+    """Image encode services (``embedmesh.services.image_encoder``, comma-separated, round robin): a cache miss is
+    encoded there instead of in this process (the cache key and every rule stay here; their rows are validated as
+    prompt_embeds). They must run ``--image-encoder``'s encoder; empty = encode in this process."""
     image_projector: str = ""
     """For ``--image-encoder dinov2``: a folder holding ``mm_projector.safetensors`` (or ``.bin``), LLaVA's
     ``0.weight, 0.bias, 2.weight, 2.bias`` of Linear(384 -> H), GELU, Linear(H -> H), H = each served model's hidden
@@ -141,8 +145,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("max_image_bytes must be >= 1024 and max_image_pixels >= 1")
         if not self.image_fetch_timeout_seconds > 0:
             raise ValueError("image_fetch_timeout_seconds must be > 0")
-        if self.image_encoder == "dinov2" and not self.image_projector:
-            raise ValueError("image_encoder dinov2 needs image_projector: a folder holding mm_projector.safetensors")
+        if self.image_encoder == "dinov2" and not self.image_projector and not self.image_encoder_address:
+            raise ValueError("image_encoder dinov2 needs image_projector (a folder holding mm_projector.safetensors) "
+                             "or image_encoder_address")
         if self.migration_limit < 0 or self.migration_max_positions < 0:
             raise ValueError("migration_limit and migration_max_positions must be >= 0")
         if not self.drain_seconds >= 0:

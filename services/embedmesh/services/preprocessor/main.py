@@ -33,6 +33,7 @@ from embedmesh.services.router.route_client import RouteClient, Routes
 from embedmesh.services.router.servicer import SERVICE_NAME as ROUTER_SERVICE
 from embedmesh.services.router.servicer import RouterServicer
 from embedmesh.vision.decode import ImageLimits
+from embedmesh.vision.remote import EncodeServiceClient
 from embedmesh.vision.stage import VisionStage
 
 log = get_logger("embedmesh.preprocessor")
@@ -110,6 +111,8 @@ async def serve(config: PreprocessorConfig) -> None:
         # Workers stream registrations, loads and KV events here (mesh callers only, as on the router service).
         server.add(router_pb2_grpc.add_RouterServiceServicer_to_server, embedded, ROUTER_SERVICE)
     server.on_drain(cache.close)
+    if domain.vision is not None and domain.vision.remote is not None:
+        server.on_drain(domain.vision.remote.close)
     if router is not None:
         server.on_drain(router.close)
     server.on_drain(pool.close)
@@ -131,10 +134,16 @@ def vision_stage(config: PreprocessorConfig, cache: TieredCache, default_folder:
     """The encode stage for image parts: each served model's folder (the one its tokenizer comes from) gives the
     input embeddings the projector writes into; built on the first image, so start-up loads no vision weights."""
     folders = {name: Path(f) for name, f in config.model_tokenizers}
+    remote = None
+    if config.image_encoder_address and config.image_encoder != "off":
+        # Pixels at the cap go out, rows at the prompt_embeds cap come back: nothing larger is read from a replica.
+        remote = EncodeServiceClient(config.image_encoder_address, config.image_encoder,
+                                     max(config.max_image_pixels * 3, config.max_embeds_bytes) + 1024 * 1024)
     return VisionStage(cache, limits=ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels),
                        folder_of=lambda model: folders.get(model, Path(default_folder)), encoder=config.image_encoder,
                        hosts=config.image_url_hosts, fetch_timeout_seconds=config.image_fetch_timeout_seconds,
-                       projector=config.image_projector, model_folders=[Path(default_folder), *folders.values()])
+                       projector=config.image_projector, model_folders=[Path(default_folder), *folders.values()],
+                       remote=remote)
 
 
 def public_message_cap(config: PreprocessorConfig) -> int:
