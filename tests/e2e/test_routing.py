@@ -19,6 +19,7 @@ from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL, b64_of
 from tests.support.load import Load, child_pid, metric, retryable, stats
 from tests.support.mesh import Mesh, start_mesh
+from tests.support.route_many import route
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +96,7 @@ def test_route_decision_is_visible_over_grpc(mesh2: Mesh) -> None:
     ids = Tokenizer(ensure_default_model()).encode(LONG + "Question one?")
     hashes = block_hashes([ids], 16)
     with grpc.insecure_channel(mesh2.extra["router"]) as ch:
-        r = router_pb2_grpc.RouterServiceStub(ch).Route(
+        r = route(router_pb2_grpc.RouterServiceStub(ch),
             router_pb2.RouteRequest(model=MODEL, block_hashes=hashes, block_size=16, prompt_tokens=len(ids)), timeout=5)
     assert r.overlap_blocks == len(hashes), "the router should know the whole prompt from the earlier test"
     assert len(r.candidates) == 2 and r.candidates[0].worker_id == r.worker_id

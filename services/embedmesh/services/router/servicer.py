@@ -39,8 +39,9 @@ from embedmesh.services.router.registry import (
 
 __all__ = ["RouterServicer", "SERVICE_NAME", "update_gauges"]
 
-ROUTE_METHOD = "/embedmesh.router.v1.RouterService/Route"
-"""What one RouteMany question is observed as (span name, RPC metrics)."""
+ROUTE_METHOD = "/embedmesh.router.v1.RouterService/RouteMany.question"
+"""What one RouteMany question is observed as (span name, RPC metrics: method ``RouteMany.question``); the stream
+itself is observed as ``RouteMany``."""
 
 SERVICE_NAME = "embedmesh.router.v1.RouterService"
 
@@ -181,11 +182,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 DROPS.labels(cause).inc()
                 log.info("worker left", extra={"worker_id": wid, "cause": cause})
 
-    async def Route(  # noqa: N802
-        self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
-    ) -> router_pb2.RouteResponse:
-        return self._route(request)
-
     async def RouteMany(  # noqa: N802
         self, request_iterator: AsyncIterator[router_pb2.RouteManyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.RouteManyResponse]:
@@ -199,7 +195,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.draining = True
 
     def _answer(self, question: router_pb2.RouteQuestion) -> router_pb2.RouteAnswer:
-        """One RouteMany question, observed (span, RPC metrics) and answered as a Route call."""
+        """One RouteMany question, observed (span, RPC metrics) and answered on its own."""
         with Observed(ROUTE_METHOD, list(question.trace_context.items())) as obs:
             try:
                 if question.id == 0:

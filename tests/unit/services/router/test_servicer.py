@@ -20,6 +20,7 @@ from embedmesh.services.router.indexer import RadixIndexer
 from embedmesh.services.router.main import build, sweep_forever
 from embedmesh.services.router.servicer import SERVICE_NAME, RouterServicer
 from embedmesh.services.worker.router_link import LoadReport, RouterLink
+from tests.support.route_many import route_async
 
 BS = 4
 
@@ -43,7 +44,7 @@ class RouterUnderTest:
         return self.servicer.registry.workers
 
     async def route(self, hashes: list[int], model: str = "m", adapter: str = "") -> router_pb2.RouteResponse:
-        return await self.stub.Route(router_pb2.RouteRequest(
+        return await route_async(self.stub, router_pb2.RouteRequest(
             model=model, block_hashes=hashes, block_size=BS, prompt_tokens=max(1, len(hashes)) * BS,
             lora_adapter=adapter), timeout=5)
 
@@ -317,7 +318,7 @@ async def test_approximate_blocks_age_out() -> None:
 async def test_bad_route_requests(router: RouterUnderTest, request_: Any, field: str, code: Any) -> None:
     async with FakeWorker([router.address], "a"):
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await router.stub.Route(request_)
+            await route_async(router.stub, request_)
         assert info.value.code() == code and from_rpc_error(info.value).field == field
         assert (await router.route([])).worker_id == "a", "the router keeps serving"
 
