@@ -115,8 +115,9 @@ def test_a_stream_that_breaks_a_rule_part_way_is_refused_and_reaches_no_engine(e
 
 
 def test_rows_go_on_to_the_worker_before_the_last_piece_is_sent(emesh: Mesh) -> None:
-    """The client holds its last piece back until the worker has received a GenerateChunks call's first rows:
-    visible as the worker's own rows arriving (its RPC is in flight) while the client still holds a piece."""
+    """The client holds its last piece back until the worker has received the start frame of a generation whose
+    rows follow as rows frames: visible as the worker's generation in flight (waiting for its rows) while the
+    client still holds a piece (nothing else runs on the mesh meanwhile)."""
     rows = _rows(2)
     pieces = _pieces(rows)
     release = threading.Event()
@@ -134,8 +135,8 @@ def test_rows_go_on_to_the_worker_before_the_last_piece_is_sent(emesh: Mesh) -> 
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             text = urllib.request.urlopen(f"http://127.0.0.1:{base + 10}/metrics", timeout=10).read().decode()
-            if any(line.startswith('embedmesh_rpc_in_flight{method="GenerateChunks"') and not line.endswith(" 0.0")
-                   for line in text.splitlines()):
+            if any(line.startswith('embedmesh_rpc_in_flight{method="GenerateMany.generation"')
+                   and not line.endswith(" 0.0") for line in text.splitlines()):
                 seen_in_flight.append(True)
                 break
             time.sleep(0.02)

@@ -15,6 +15,7 @@ from embedmesh.core.server import channel_options
 from embedmesh.core.tensors import from_numpy
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL
+from tests.support.worker_generate import worker_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +35,7 @@ def _generate(stub: Any, request_id: str, segments: list[Any]) -> list[Any]:
     req = worker_pb2.GenerateRequest(request_id=request_id, segments=segments)
     req.sampling.max_tokens = 4
     req.sampling.temperature = 0.0
-    return list(stub.Generate(req, timeout=60))
+    return list(worker_generate(stub, req, timeout=60))
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
@@ -69,6 +70,6 @@ def test_a_tiny_temperature_sent_straight_to_a_worker_is_greedy(mesh: Any, embed
         req.sampling.max_tokens = 4
         req.sampling.temperature = 1e-40
         req.sampling.seed = 7
-        tiny = list(stub.Generate(req, timeout=60))
+        tiny = list(worker_generate(stub, req, timeout=60))
     assert "".join(r.text for r in tiny) == "".join(r.text for r in greedy)
     assert tiny[-1].completion_tokens == 4

@@ -24,6 +24,7 @@ from tests.e2e.conftest import MODEL, b64_of, embeds_of, hf_model  # noqa: F401 
 from tests.e2e_vllm.test_vllm_mesh import TEXT, VENV
 from tests.support.lora import save_smol_adapter
 from tests.support.mesh import Mesh, start_mesh
+from tests.support.worker_generate import worker_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +58,7 @@ def generate(s: Any, lora: str = "") -> str:
         worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=[504, 3458, 282, 4649, 314]))])
     req.sampling.max_tokens = 10
     req.sampling.temperature = 0
-    return "".join(r.text for r in s.Generate(req, timeout=120))
+    return "".join(r.text for r in worker_generate(s, req, timeout=120))
 
 
 def test_lora_load_once_generate_list_unload(lmesh: Mesh, adapter: Path) -> None:
@@ -173,7 +174,7 @@ def test_clear_kv_blocks_empties_the_prefix_cache(lmesh: Mesh) -> None:
         req = worker_pb2.GenerateRequest(request_id=f"c{time.monotonic_ns()}", segments=[
             worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=ids))])
         req.sampling.max_tokens = 1
-        list(s.Generate(req, timeout=120))
+        list(worker_generate(s, req, timeout=120))
         time.sleep(1.0)
 
     run()

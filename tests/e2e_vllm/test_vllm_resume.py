@@ -24,6 +24,7 @@ from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e_vllm.test_vllm_mesh import VENV
 from tests.e2e_vllm.test_vllm_worker_kv import REPO, _embed, _stop, _tensor, _tokens
 from tests.support.mesh import free_port
+from tests.support.worker_generate import worker_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +85,7 @@ def _run(w: Worker, segments: list[Any], resume: list[int] = (), **sampling: Any
     req = worker_pb2.GenerateRequest(request_id=f"resume-{time.monotonic_ns()}", segments=segments,
                                      sampling=common_pb2.SamplingParams(**sampling), resume_token_ids=list(resume))
     with grpc.insecure_channel(w.address) as ch:
-        return list(w.stub(ch).Generate(req, timeout=300))
+        return list(worker_generate(w.stub(ch), req, timeout=300))
 
 
 def _ids(responses: list[Any]) -> list[int]:

@@ -21,6 +21,7 @@ from embedmesh.core.server import LIVENESS
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e_vllm.test_vllm_mesh import VENV
 from tests.support.mesh import free_port
+from tests.support.worker_generate import worker_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +70,8 @@ def test_readiness_waits_for_the_engine_and_early_requests_wait_too(tmp_path: Pa
                 request_id="early", segments=[worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=[504, 3575]))],
                 sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
             try:
-                result["responses"] = list(worker_pb2_grpc.WorkerServiceStub(channel).Generate(req, timeout=400))
+                result["responses"] = list(worker_generate(worker_pb2_grpc.WorkerServiceStub(channel), req,
+                                                                 timeout=400))
             except grpc.RpcError as e:
                 result["error"] = e
 

@@ -32,6 +32,8 @@ from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e_vllm.test_vllm_mesh import VENV
 from tests.support.mesh import free_port
+from tests.support.route_many import route
+from tests.support.worker_generate import worker_generate
 
 pytestmark = pytest.mark.e2e
 
@@ -146,7 +148,7 @@ def _generate(w: KvWorker, segments: list[Any], max_tokens: int = 2) -> str:
     req = worker_pb2.GenerateRequest(request_id=f"kv-{time.monotonic_ns()}", segments=segments,
                                      sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0))
     with grpc.insecure_channel(w.worker) as ch:
-        return "".join(r.text for r in worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=120))
+        return "".join(r.text for r in worker_generate(worker_pb2_grpc.WorkerServiceStub(ch), req, timeout=120))
 
 
 def _stored_hashes(w: KvWorker) -> list[int]:
@@ -163,7 +165,7 @@ def _wait(cond: Any, what: str, w: KvWorker, timeout: float = 15) -> None:
 
 def _route(w: KvWorker, hashes: list[int], prompt: int) -> Any:
     with grpc.insecure_channel(w.router) as ch:
-        return router_pb2_grpc.RouterServiceStub(ch).Route(router_pb2.RouteRequest(
+        return route(router_pb2_grpc.RouterServiceStub(ch), router_pb2.RouteRequest(
             model=MODEL, block_hashes=hashes, block_size=BLOCK, prompt_tokens=prompt), timeout=5)
 
 

@@ -14,6 +14,7 @@ import pytest
 from embedmesh.common.v1 import common_pb2
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.images.conftest import USER_ID, Containers, image, podman, run_to_exit, wait_grpc_serving
+from tests.support.worker_generate import worker_generate
 
 WORKER = "embedmesh.worker.v1.WorkerService"
 TEXT = "The capital of France is"
@@ -63,7 +64,7 @@ def test_it_serves_the_mounted_model_with_transformers_greedy_tokens(worker_vllm
         request_id="image-smoke", segments=[worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(
             ids=ids[0].tolist()))], sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0))
     with grpc.insecure_channel(address) as ch:
-        responses = list(worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=300))
+        responses = list(worker_generate(worker_pb2_grpc.WorkerServiceStub(ch), req, timeout=300))
     assert [t for r in responses for t in r.token_ids] == expected
 
 

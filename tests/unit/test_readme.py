@@ -111,8 +111,8 @@ def test_the_diagram_check_catches_a_stale_name() -> None:
     assert "RouterService/RouteMany" in text
     renamed = text.replace("RouterService/RouteMany", "RouterService/RouteAll")
     assert diagram_problems(renamed, rpcs) == ["RouterService/RouteAll is not an RPC in protos/"]
-    grouped = text.replace("{GenerateMany,", "{GenerateLots,")
-    assert diagram_problems(grouped, rpcs) == ["WorkerService/GenerateLots is not an RPC in protos/"]
+    grouped = text.replace("{GenerateInline,", "{GenerateLots,", 1)
+    assert diagram_problems(grouped, rpcs) == ["InferenceService/GenerateLots is not an RPC in protos/"]
     bare = text.replace("RouterService/RouteMany", "RouteMany")
     assert diagram_problems(bare, rpcs) == ["RouteMany is written without its service (Service/RouteMany)"]
     assert diagram_problems(text, {**rpcs, "NewService": {"Go"}}) == ["the diagram leaves out NewService"]

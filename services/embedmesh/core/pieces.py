@@ -1,6 +1,7 @@
-"""Requests whose tensors' bytes follow them in pieces: ``WorkerService.GenerateChunks`` (the preprocessor sends big
-prompts to a worker this way) and ``InferenceService.Generate`` (clients and the gateway send big ``prompt_embeds``
-this way; a small request is its header alone).
+"""Requests whose tensors' bytes follow them in pieces: ``InferenceService.Generate`` (clients and the gateway send
+big ``prompt_embeds`` this way; a small request is its header alone) and the ``rows`` frames of
+``WorkerService.GenerateMany`` (the preprocessor sends big prompts to a worker this way; the worker reads the frames
+itself and feeds each generation's bytes to its arrival: ``expect``, ``Arrival.feed``).
 
 One 64 MiB message costs more than its bytes: grpc.aio hands a received message to Python as a bytes object per
 slice joined into one (two passes over memory that is no longer in cache), the sender first builds the whole message,
@@ -46,7 +47,7 @@ from embedmesh.core.embeds import check_finite
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["assemble", "start", "Arrival", "arriving", "arrival_of", "finite_scan"]
+__all__ = ["assemble", "start", "expect", "Arrival", "arriving", "arrival_of", "finite_scan"]
 
 Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 """The tensors of a request, in the order their bytes follow it, each with its field path."""
@@ -106,6 +107,9 @@ class Arrival:
         self._changed = asyncio.Event()
         self.error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        self._slot = 0
+        """The tensor the next byte goes to, and how many of its bytes are placed."""
+        self._filled = 0
 
     @property
     def scanned(self) -> bool:
@@ -161,9 +165,6 @@ class Arrival:
             self._pulse()
 
     async def _place(self, messages: AsyncIterator[Any]) -> None:
-        buffers = self.buffers
-        slot = 0
-        filled = 0
         it = messages.__aiter__()
         while True:
             try:
@@ -178,32 +179,95 @@ class Arrival:
             if part != "rows":
                 continue  # an empty message: nothing to place
             # read once: each read of a protobuf bytes field copies
-            piece = message.data if isinstance(message, wire.RowsPiece) else memoryview(message.rows)
-            pos = 0
-            while pos < len(piece):
-                if slot == len(buffers):
-                    raise InvalidArgument(
-                        f"rows: more bytes than the request's tensors need ({sum(b.size for _, b in buffers)})",
-                        field="rows", reason="TOO_MANY_BYTES")
-                buf = buffers[slot][1]
-                take = min(buf.size - filled, len(piece) - pos)
-                buf[filled:filled + take] = np.frombuffer(piece, np.uint8, take, pos)
-                filled += take
-                pos += take
-                self._advance(slot, filled)
-                if filled == buf.size:
-                    slot += 1
-                    filled = 0
+            self._put(message.data if isinstance(message, wire.RowsPiece) else memoryview(message.rows))
             self._pulse()
-        while slot < len(buffers) and buffers[slot][1].size == filled:
-            slot += 1  # empty tensors need no bytes
-            filled = 0
-        if slot < len(buffers):
-            need = sum(b.size for _, b in buffers)
-            got = sum(b.size for _, b in buffers[:slot]) + filled
+        self._check_complete()
+
+    @property
+    def complete(self) -> bool:
+        """Every byte the tensors need has been placed."""
+        while self._slot < len(self.buffers) and self.buffers[self._slot][1].size == self._filled:
+            self._slot += 1  # empty tensors need no bytes
+            self._filled = 0
+        return self._slot == len(self.buffers)
+
+    def _put(self, piece: memoryview | bytes) -> None:
+        """Place ``piece`` after the bytes placed so far (scanned as it lands); TOO_MANY_BYTES past the shapes."""
+        buffers = self.buffers
+        pos = 0
+        while pos < len(piece):
+            if self._slot == len(buffers):
+                raise InvalidArgument(
+                    f"rows: more bytes than the request's tensors need ({sum(b.size for _, b in buffers)})",
+                    field="rows", reason="TOO_MANY_BYTES")
+            buf = buffers[self._slot][1]
+            take = min(buf.size - self._filled, len(piece) - pos)
+            buf[self._filled:self._filled + take] = np.frombuffer(piece, np.uint8, take, pos)
+            self._filled += take
+            pos += take
+            self._advance(self._slot, self._filled)
+            if self._filled == buf.size:
+                self._slot += 1
+                self._filled = 0
+
+    def _check_complete(self) -> None:
+        if not self.complete:
+            need = sum(b.size for _, b in self.buffers)
+            got = sum(b.size for _, b in self.buffers[:self._slot]) + self._filled
             raise InvalidArgument(
                 f"rows: the stream ended after {got} of the {need} bytes the request's tensors need",
                 field="rows", reason="INCOMPLETE")
+
+    # --- fed by a caller that reads the stream itself (``expect``) ---------------------------------------------
+    def feed(self, piece: memoryview | bytes) -> None:
+        """The next bytes of the tensors, from a stream read elsewhere (``expect``); a broken rule (too many bytes,
+        the scan) ends the arrival with it, and raises it."""
+        if self.error is not None:
+            raise self.error
+        try:
+            self._put(piece)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self._pulse()
+
+    def end(self) -> None:
+        """The stream that fed the bytes ended: INCOMPLETE unless every byte arrived."""
+        if self.error is None:
+            try:
+                self._check_complete()
+            except InvalidArgument as e:
+                self.error = e
+        self._pulse()
+
+    async def fed(self) -> None:
+        """Until every byte was fed (``feed``); raises the arrival's error, or IDLE_TIMEOUT naming ``rows`` when no
+        byte came for ``IDLE_SECONDS``."""
+        while not self.complete:
+            if self.error is not None:
+                raise self.error
+            changed = self._changed
+            try:
+                async with asyncio.timeout(IDLE_SECONDS):
+                    await changed.wait()
+            except TimeoutError:
+                self.error = InvalidArgument(
+                    f"rows: nothing arrived for {IDLE_SECONDS:g} s and the rows are not complete; send every row "
+                    "without pauses", field="rows", reason="IDLE_TIMEOUT")
+        if self.error is not None:
+            raise self.error
+
+
+def expect(request: Any, tensors_of: Tensors, max_bytes: int, scan: Scan | None = None) -> Arrival | None:
+    """The arrival of ``request``'s tensors whose bytes follow it on a stream its caller reads (``Arrival.feed``,
+    ``Arrival.end``, ``Arrival.fed``), allocated (nothing past ``max_bytes``, refused by name) but untouched; None
+    when every tensor carries its bytes."""
+    wanted = _wanted(request, tensors_of, max_bytes, {})
+    if not wanted:
+        return None
+    return Arrival(request, [(path, np.empty(size, np.uint8)) for path, size, _ in wanted],
+                   [itemsize for _, _, itemsize in wanted], scan)
 
 
 async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int,

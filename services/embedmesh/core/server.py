@@ -233,8 +233,8 @@ def unexpected_error(exc: BaseException, method: str) -> InternalError:
 
 
 class Observed:
-    """One RPC's span, status code and latency (also one generation of a ``GenerateMany`` stream, which is
-    observed as the Generate call it stands for)."""
+    """One RPC's span, status code and latency (also one generation of a ``GenerateMany`` stream or one question of a
+    ``RouteMany`` stream, each observed on its own: methods ``GenerateMany.generation``, ``RouteMany.question``)."""
 
     def __init__(self, method: str, metadata: Any) -> None:
         self.method = method.rsplit("/", 1)[-1]

@@ -169,9 +169,11 @@ def wire_views() -> dict[str, memoryview] | None:
     return _WIRE_VIEWS.get()
 
 
-def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarray, DType]:
+def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor",
+             data: memoryview | None = None) -> tuple[np.ndarray, DType]:
     """View a Tensor message's bytes as an array (bf16 as its uint16 bits). Checks dtype, shape and length.
-    When the call's request was parsed with its tensors cut out (``core.wire``), the bytes of the tensor at path
+    ``data``: the tensor's bytes when they travelled apart from the message (a ``data``-less tensor). Else, when
+    the call's request was parsed with its tensors cut out (``core.wire``), the bytes of the tensor at path
     ``field`` are a view of the received buffer and are not copied."""
     info = _INFO.get(msg.dtype)
     if info is None:
@@ -180,8 +182,9 @@ def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor") -> tuple[np.ndarr
     shape = tuple(int(d) for d in msg.shape)
     count = check_shape(shape, f"{field}.shape")
     expected = count * info.numpy.itemsize
-    views = wire_views()
-    data = views.get(field) if views else None
+    if data is None:
+        views = wire_views()
+        data = views.get(field) if views else None
     if data is None or len(msg.data):
         data = msg.data  # read once: each read of a bytes field copies
     if len(data) != expected:

@@ -32,7 +32,8 @@ from embedmesh.worker.v1 import worker_pb2
 __all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
            "split_generate_header", "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS",
            "chunked_segments", "chunk_messages", "chunk_request_message", "chunk_rows_message", "row_pieces",
-           "RowsPiece", "parse_chunk", "parse_generate_chunk", "UPLOAD_STREAMS"]
+           "RowsPiece", "parse_chunk", "UPLOAD_STREAMS", "frame_start", "frame_rows", "RowsFrame",
+           "parse_generate_many"]
 
 _LEN = 2  # wire type of length-delimited fields
 _SEGMENTS = worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["segments"].number
@@ -112,8 +113,8 @@ def _plain_generate_request(header: worker_pb2.GenerateRequest, pieces: Sequence
 
 def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int) -> tuple[bytes, list[memoryview]]:
     """One ``GenerateRequest.segments`` entry per piece as wire bytes, each embeds tensor with its dtype and shape
-    but without ``data``; and those tensors' rows, in order, as views (``WorkerService.GenerateChunks`` sends them
-    after the request)."""
+    but without ``data``; and those tensors' rows, in order, as views (sent after the request as ``rows`` frames of
+    ``WorkerService.GenerateMany``, ``frame_rows``)."""
     parts: list[bytes | memoryview] = []
     rows: list[memoryview] = []
     for piece in pieces:
@@ -125,8 +126,8 @@ def chunked_segments(pieces: Sequence[tuple[int, ...] | np.ndarray], dtype: int)
     return b"".join(parts), rows
 
 
-_CHUNK_REQUEST = _key(worker_pb2.GenerateChunksRequest.DESCRIPTOR.fields_by_name["request"].number)
-_CHUNK_ROWS = _key(worker_pb2.GenerateChunksRequest.DESCRIPTOR.fields_by_name["rows"].number)
+_CHUNK_REQUEST = _key(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["request"].number)
+_CHUNK_ROWS = _key(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["rows"].number)
 
 
 def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Iterator[bytes]:
@@ -368,7 +369,7 @@ def _parser(cls: Any, split: Any) -> Any:
 
 
 parse_generate_request = _parser(worker_pb2.GenerateRequest, split_generate_request)
-"""``WorkerService.Generate``'s request deserializer."""
+"""A one-message ``GenerateRequest`` deserializer whose big tensors stay views of the received bytes."""
 
 
 _ZERO_COPY_MIN = 4096
@@ -408,12 +409,66 @@ def parse_chunk(cls: Any, split: Callable[[bytes], WireRequest | None] | None = 
     return parse
 
 
-parse_generate_chunk = parse_chunk(worker_pb2.GenerateChunksRequest)
-"""``WorkerService.GenerateChunks``' request deserializer."""
+# --- WorkerService.GenerateMany frames ------------------------------------------------------------------------
+_FRAMES = _key(worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number)
+_FRAME_ID = varint(worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["id"].number << 3)
+_FRAME_GENERATE = _key(worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number)
+_FRAME_ROWS = _key(worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["rows"].number)
+
+
+def frame_start(gid: int, request: bytes | memoryview, trace_context: dict[str, str] | None = None) -> bytes:
+    """A ``GenerateManyRequest`` holding one start frame: generation ``gid`` of ``request`` (serialized)."""
+    head = worker_pb2.GenerateFrame(id=gid, trace_context=trace_context or {}).SerializeToString()
+    inner_len = len(head) + len(_FRAME_GENERATE) + len(varint(len(request))) + len(request)
+    return b"".join((_FRAMES, varint(inner_len), head, _FRAME_GENERATE, varint(len(request)), request))
+
+
+def frame_rows(gid: int, piece: bytes | memoryview) -> bytes:
+    """A ``GenerateManyRequest`` holding one ``rows`` frame of generation ``gid``, with one copy of ``piece``: the
+    shape ``parse_generate_many`` hands over as a ``RowsFrame`` without copying."""
+    head = _FRAME_ID + varint(gid) + _FRAME_ROWS + varint(len(piece))
+    return b"".join((_FRAMES, varint(len(head) + len(piece)), head, piece))
+
+
+class RowsFrame(NamedTuple):
+    """A ``GenerateManyRequest`` that is exactly one ``rows`` frame: its id and the bytes as a view of the received
+    buffer (protobuf would copy them twice: into its arena, then into a new ``bytes`` when the field is read)."""
+
+    id: int
+    data: memoryview
+
+
+def _rows_frame(buf: memoryview) -> RowsFrame | None:
+    """``buf`` as a ``RowsFrame`` when it is ``frames { id: N rows: ... }`` and nothing else (as ``frame_rows``
+    writes it)."""
+    if buf[:len(_FRAMES)] != _FRAMES:
+        return None
+    n, pos = _read_varint(buf, len(_FRAMES), len(buf))
+    if pos + n != len(buf) or buf[pos:pos + len(_FRAME_ID)] != _FRAME_ID:
+        return None
+    gid, pos = _read_varint(buf, pos + len(_FRAME_ID), len(buf))
+    if buf[pos:pos + len(_FRAME_ROWS)] != _FRAME_ROWS:
+        return None
+    n, pos = _read_varint(buf, pos + len(_FRAME_ROWS), len(buf))
+    if pos + n != len(buf):
+        return None
+    return RowsFrame(gid, buf[pos:])
+
+
+def parse_generate_many(raw: bytes) -> Any:
+    """``WorkerService.GenerateMany``'s request deserializer: a big message that is one ``rows`` frame becomes a
+    ``RowsFrame`` (its bytes uncopied); anything else is parsed by protobuf (which words its errors)."""
+    if len(raw) >= _ZERO_COPY_MIN:
+        try:
+            frame = _rows_frame(memoryview(raw))
+        except _Malformed:
+            frame = None
+        if frame is not None:
+            return frame
+    return worker_pb2.GenerateManyRequest.FromString(raw)
 
 
 _PIECES_STREAMS: dict[str, Any] = {
-    "/embedmesh.worker.v1.WorkerService/GenerateChunks": worker_pb2.GenerateChunksRequest,
     "/embedmesh.inference.v1.InferenceService/Generate": inference_pb2.GenerateRequest,
 }
 """The methods that take a pieces stream (``core.pieces``), with their request message."""
@@ -423,8 +478,7 @@ UPLOAD_STREAMS = frozenset(_PIECES_STREAMS)
 method, a refusal of one waits for the client to finish sending (``core.server``)."""
 
 REQUEST_PARSERS: dict[str, Any] = {
-    "/embedmesh.worker.v1.WorkerService/Generate": parse_generate_request,
-    "/embedmesh.worker.v1.WorkerService/GenerateChunks": parse_generate_chunk,
+    "/embedmesh.worker.v1.WorkerService/GenerateMany": parse_generate_many,
     "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
                                                                      split_generate_header),
     "/embedmesh.inference.v1.InferenceService/GenerateInline": _parser(inference_pb2.GenerateInlineRequest,

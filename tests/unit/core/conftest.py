@@ -1,5 +1,6 @@
-"""Shared by the core tests that serve over the wire: a worker servicer that answers with the caller it saw, the
-process-wide key ring and transport security reset around each test, and a server factory."""
+"""Shared by the core tests that serve over the wire: a worker servicer (and an encoder cache servicer, for a
+unary-stream call) that answer with the caller they saw, the process-wide key ring and transport security reset
+around each test, and a server factory."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from typing import Any
 
 import pytest
 
+from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core import auth, tls
 from embedmesh.core.auth import Access
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 WORKER = "embedmesh.worker.v1.WorkerService"
+CACHE = "embedmesh.cache.v1.EncoderCacheService"
 
 
 class Echo(worker_pb2_grpc.WorkerServiceServicer):
@@ -26,8 +29,20 @@ class Echo(worker_pb2_grpc.WorkerServiceServicer):
     async def ClearKvBlocks(self, request: Any, context: Any) -> Any:  # noqa: N802
         return worker_pb2.ClearKvBlocksResponse(cleared=True)
 
-    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 - a unary-stream call
-        yield worker_pb2.GenerateResponse(text=auth.current_principal().tenant)
+    async def GenerateMany(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - a stream-stream call
+        async for message in request_iterator:
+            for frame in message.frames:
+                yield worker_pb2.GenerateManyResponse(results=[
+                    worker_pb2.GenerateResult(id=frame.id, response=worker_pb2.GenerateResponse(
+                        text=auth.current_principal().tenant)),
+                    worker_pb2.GenerateResult(id=frame.id, end=worker_pb2.GenerationEnd())])
+
+
+class CacheEcho(cache_pb2_grpc.EncoderCacheServiceServicer):
+    """Get (a unary-stream call) answers with the caller's tenant as its one chunk."""
+
+    async def Get(self, request: Any, context: Any) -> Any:  # noqa: N802 - a unary-stream call
+        yield cache_pb2.GetResponse(chunk=auth.current_principal().tenant.encode())
 
 
 @pytest.fixture
@@ -56,6 +71,7 @@ def serve_echo() -> ServeEcho:
         server = Server("test", ServerOptions(port=0, grace_seconds=0.2, public=public))
         server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, Echo(), WORKER, access=access,
                    methods=methods)
+        server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, CacheEcho(), CACHE, access=access)
         await server.start()
         return server
 

@@ -17,6 +17,7 @@ from embedmesh.core.auth import Access, Principal, TenantLimiter
 from embedmesh.core.errors import PermissionDenied, ResourceExhausted, Unauthenticated, from_rpc_error
 from embedmesh.core.server import mesh_channel
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.worker_generate import worker_generate
 
 from .conftest import ServeEcho
 
@@ -206,8 +207,8 @@ async def test_mesh_token_opens_internal_rpcs_only_when_exact(plain_security: No
     try:
         assert (await worker_pb2_grpc.WorkerServiceStub(good).GetInfo(worker_pb2.GetInfoRequest())).engine == "admin"
         # Streaming calls carry the token too (each call kind has its own interceptor).
-        assert [r.text async for r in worker_pb2_grpc.WorkerServiceStub(good).Generate(
-            worker_pb2.GenerateRequest())] == [auth.DEFAULT_TENANT]
+        assert [r.text async for r in worker_generate(worker_pb2_grpc.WorkerServiceStub(good),
+                                                      worker_pb2.GenerateRequest())] == [auth.DEFAULT_TENANT]
         stub = worker_pb2_grpc.WorkerServiceStub(bare)
         for md in ([], [(tls.MESH_TOKEN_HEADER, "s3cret-token-valuX")], [(tls.MESH_TOKEN_HEADER, "")]):
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -47,7 +47,7 @@ def test_a_peer_certificate_is_seen_only_when_the_handshake_verified_one() -> No
 @pytest.mark.parametrize("cn, allowed", [("embedmesh-preprocessor", True), ("embedmesh-gateway", False),
                                          ("embedmesh-worker", False), ("embedmesh-client", True)])
 def test_a_certificate_is_the_mesh_only_for_the_calls_of_its_identity(token: str, cn: str, allowed: bool) -> None:
-    authz = Authorizer(Access.MESH, require_client_cert=True, method="/embedmesh.worker.v1.WorkerService/Generate")
+    authz = Authorizer(Access.MESH, require_client_cert=True, method="/embedmesh.worker.v1.WorkerService/GenerateMany")
     md = [(tls.MESH_TOKEN_HEADER, token)]  # the token does not count on a port that demands certificates
     if allowed:
         assert authz.principal(md, _Context(cn)).mesh
@@ -58,7 +58,7 @@ def test_a_certificate_is_the_mesh_only_for_the_calls_of_its_identity(token: str
 
 
 def test_the_token_makes_a_mesh_caller_where_no_certificate_is_demanded(token: str) -> None:
-    authz = Authorizer(Access.MESH, require_client_cert=False, method="/embedmesh.worker.v1.WorkerService/Generate")
+    authz = Authorizer(Access.MESH, require_client_cert=False, method="/embedmesh.worker.v1.WorkerService/GenerateMany")
     assert authz.principal([(tls.MESH_TOKEN_HEADER, token)], _Context(None)).mesh
     with pytest.raises(Unauthenticated):
         authz.principal([(tls.MESH_TOKEN_HEADER, "wrong")], _Context(None))

@@ -24,6 +24,7 @@ from embedmesh.core.server import Server, ServerOptions, insecure_channel
 from embedmesh.core.wire import varint as _varint
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.procmem import hwm_mib as _hwm_mib
+from tests.support.worker_generate import worker_generate
 
 from .conftest import WORKER, ServeEcho
 
@@ -107,20 +108,25 @@ async def test_an_internal_port_still_reads_unary_requests_before_the_handler() 
 
 async def test_a_public_port_serves_every_call_kind_after_authentication(serve_echo: ServeEcho, keys: None) -> None:
     """Unary and server-streaming calls served as one-message streams answer as before: the caller's tenant, and
-    UNAUTHENTICATED without a key."""
+    UNAUTHENTICATED without a key; a bidirectional stream too."""
     server = await serve_echo(Access.PUBLIC, public=True)
     ch = insecure_channel(server.address)
     stub = worker_pb2_grpc.WorkerServiceStub(ch)
+    cache = cache_pb2_grpc.EncoderCacheServiceStub(ch)
     md = (("authorization", "Bearer kb-12345678"),)
     try:
         assert (await stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=md)).model == "beta"
-        assert [r.text async for r in stub.Generate(worker_pb2.GenerateRequest(request_id="r"), metadata=md)] == \
-            ["beta"]
+        assert [r.chunk async for r in cache.Get(cache_pb2.GetRequest(), metadata=md)] == [b"beta"]
+        assert [r.text async for r in worker_generate(stub, worker_pb2.GenerateRequest(request_id="r"),
+                                                      metadata=md)] == ["beta"]
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.GetInfo(worker_pb2.GetInfoRequest())
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            _ = [r async for r in stub.Generate(worker_pb2.GenerateRequest())]
+            _ = [r async for r in cache.Get(cache_pb2.GetRequest())]
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in worker_generate(stub, worker_pb2.GenerateRequest())]
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         bad = ch.unary_unary(f"/{WORKER}/GetInfo", request_serializer=lambda b: b, response_deserializer=None)
         with pytest.raises(grpc.aio.AioRpcError) as info:

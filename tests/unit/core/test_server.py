@@ -17,23 +17,35 @@ from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
 from embedmesh.core.wire import varint as _varint
+from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.services.worker.many import ManyStreams
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.procmem import rss_mib as _rss_mib
+from tests.support.worker_generate import worker_generate
 
 from .conftest import WORKER, ServeEcho
 
+INFERENCE = "embedmesh.inference.v1.InferenceService"
+
 
 class Scripted(worker_pb2_grpc.WorkerServiceServicer):
-    """GetInfo raises what the test put in ``self.raise_``; Generate streams two deltas then raises it."""
+    """GetInfo raises what the test put in ``self.raise_``; a generation streams two deltas then raises it."""
 
     raise_: BaseException | None = None
+
+    def __init__(self) -> None:
+        self.many = ManyStreams(self.generate, lambda request: None)
+
+    async def GenerateMany(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        async for results in self.many.serve(request_iterator):
+            yield results
 
     async def GetInfo(self, request: Any, context: Any) -> worker_pb2.GetInfoResponse:  # noqa: N802
         if self.raise_:
             raise self.raise_
         return worker_pb2.GetInfoResponse(model="m")
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[worker_pb2.GenerateResponse]:  # noqa: N802
+    async def generate(self, request: Any, arrival: Any = None) -> AsyncIterator[worker_pb2.GenerateResponse]:
         yield worker_pb2.GenerateResponse(text="a")
         if self.raise_:
             raise self.raise_
@@ -75,7 +87,7 @@ async def test_domain_errors_carry_code_field_and_reason(served: Any, error: Any
     # Errors raised mid-stream arrive after the deltas already sent.
     got = []
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for r in stub.Generate(worker_pb2.GenerateRequest(request_id="x")):
+        async for r in worker_generate(stub, worker_pb2.GenerateRequest(request_id="x")):
             got.append(r.text)
     assert got == ["a"]
     assert info.value.code() == code
@@ -108,8 +120,7 @@ async def test_health_not_serving_until_set_then_serving(served: Any) -> None:
 async def test_messages_larger_than_grpc_default_pass(served: Any) -> None:
     _, _, channel = served
     big = "x" * (12 * 1024 * 1024)
-    got = [r.text async for r in worker_pb2_grpc.WorkerServiceStub(channel).Generate(
-        worker_pb2.GenerateRequest(request_id=big))]
+    got = [r.text async for r in worker_generate(channel, worker_pb2.GenerateRequest(request_id=big))]
     assert got[-1] == big
 
 
@@ -208,13 +219,13 @@ async def test_a_service_registered_without_its_method_handlers_is_refused() -> 
         server.add(register, object(), "x.Y")
 
 
-class _Refusing(worker_pb2_grpc.WorkerServiceServicer):
-    """GenerateChunks refuses the stream after its first message (a rule its request breaks)."""
+class _Refusing(inference_pb2_grpc.InferenceServiceServicer):
+    """Generate (an upload: a header, then rows) refuses the stream after its first message (a rule it breaks)."""
 
-    async def GenerateChunks(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+    async def Generate(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         async for _ in request_iterator:
             raise InvalidArgument("request: refused", field="request", reason="REFUSED")
-        yield worker_pb2.GenerateResponse()
+        yield inference_pb2.GenerateResponse()
 
 
 class _RefusingCache(cache_pb2_grpc.EncoderCacheServiceServicer):
@@ -228,13 +239,14 @@ async def test_an_upload_refused_early_reaches_a_grpc_aio_client_as_the_refusal(
     """grpc.aio reports a write that fails because the server already ended the call as its own INTERNAL: a refusal
     of an upload stream is only answered once the client finished sending, so the client sees the refusal."""
     server = Server("test", ServerOptions(port=0, grace_seconds=0.5))
-    server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, _Refusing(), WORKER)
+    server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server, _Refusing(), INFERENCE,
+               access=Access.PUBLIC)
     server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, _RefusingCache(),
                "embedmesh.cache.v1.EncoderCacheService", access=Access.PUBLIC)
     await server.start()
     channel = insecure_channel(server.address)
-    piece = b"\x12" + bytes([0x80, 0x80, 0x40]) + b"\0" * (1 << 20)  # a GenerateChunksRequest rows message
-    chunks = channel.stream_stream(f"/{WORKER}/GenerateChunks", request_serializer=None, response_deserializer=None)
+    piece = b"\x12" + bytes([0x80, 0x80, 0x40]) + b"\0" * (1 << 20)  # an InferenceService rows message
+    chunks = channel.stream_stream(f"/{INFERENCE}/Generate", request_serializer=None, response_deserializer=None)
     cache = cache_pb2_grpc.EncoderCacheServiceStub(channel)
     try:
         for _ in range(10):

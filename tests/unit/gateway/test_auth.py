@@ -15,6 +15,7 @@ from embedmesh.core import auth
 from embedmesh.gateway import GatewayConfig, create_app
 from embedmesh.gateway.auth import OPEN_PATHS, _authorization
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.worker_generate import worker_generate
 
 
 @pytest.fixture
@@ -119,8 +120,13 @@ class _Seen(worker_pb2_grpc.WorkerServiceServicer):
     async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802 - unary-unary
         return worker_pb2.GetInfoResponse(model=self._auth(context))
 
-    async def Generate(self, request: Any, context: Any) -> Any:  # noqa: N802 - unary-stream
-        yield worker_pb2.GenerateResponse(text=self._auth(context))
+    async def GenerateMany(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - stream-stream
+        async for message in request_iterator:
+            for frame in message.frames:
+                yield worker_pb2.GenerateManyResponse(results=[
+                    worker_pb2.GenerateResult(id=frame.id, response=worker_pb2.GenerateResponse(
+                        text=self._auth(context))),
+                    worker_pb2.GenerateResult(id=frame.id, end=worker_pb2.GenerationEnd())])
 
 
 async def test_forwarding_channel_carries_the_requests_key_on_every_call_kind() -> None:
@@ -136,7 +142,7 @@ async def test_forwarding_channel_carries_the_requests_key_on_every_call_kind() 
         token = _authorization.set("Bearer good-key-123")
         try:
             unary = await stub.GetInfo(worker_pb2.GetInfoRequest(), metadata=[("authorization", "Bearer spoofed")])
-            streamed = [r.text async for r in stub.Generate(worker_pb2.GenerateRequest())]
+            streamed = [r.text async for r in worker_generate(stub, worker_pb2.GenerateRequest())]
         finally:
             _authorization.reset(token)
         assert unary.model == "Bearer good-key-123"  # the request's key replaces anything else

@@ -15,11 +15,11 @@ The continuation goes where the router places the prompt (its block hashes: the 
 prefills least) when that is another worker that resumes, else round robin over those. Only workers whose GetInfo
 says ``resumes_generation`` take a continuation (hf, mocker, echo, vLLM; an SGLang worker never gets one). A
 worker that takes it may still refuse what it cannot continue exactly (vLLM: seeded sampling, penalties counting
-output tokens, structured outputs) with ``RESUME_UNSUPPORTED``. Limits (``PreprocessorConfig``): ``migration_limit`` continuations per
-sequence, ``migration_max_positions`` (prompt + tokens sent) a continuation may prefill again. A sequence that
-cannot continue — a limit reached, no other worker that resumes, its continuation refused — ends with the cut's
-error, today's UNAVAILABLE ``WORKER_LOST``. Each decision counts in ``embedmesh_stream_migrations_total`` by outcome
-and is an event on the request's span.
+output tokens, structured outputs) with ``RESUME_UNSUPPORTED``. Limits (``PreprocessorConfig``):
+``migration_limit`` continuations per sequence, ``migration_max_positions`` (prompt + tokens sent) a continuation
+may prefill again. A sequence that cannot continue — a limit reached, no other worker that resumes, its
+continuation refused — ends with the cut's error, today's UNAVAILABLE ``WORKER_LOST``. Each decision counts in
+``embedmesh_stream_migrations_total`` by outcome and is an event on the request's span.
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ async def _call(a: _Attempt, index: int, req: worker_pb2.GenerateRequest,
         else:
             a.worker = pool.pick(model, exclude=failed)
         a.worker.inflight += 1
-        a.call = a.worker.generate_raw(body) if body is not None else a.worker.stub.Generate(req)
+        a.call = a.worker.generate_raw(body if body is not None else req.SerializeToString())
         async for resp in a.call:
             if resp.finish_reason == common_pb2.FINISH_REASON_ABORT:
                 log.warning("worker aborted a sequence", extra={"worker": a.worker.address,

@@ -1,10 +1,11 @@
-"""The preprocessor's side of ``WorkerService.GenerateMany``: one long-lived stream per worker carrying many
-generations (``worker/many.py`` is the other side).
+"""The preprocessor's side of ``WorkerService.GenerateMany`` (``worker/many.py`` is the other side): one long-lived
+stream per worker carrying many small generations (``WorkerStream``), and a call of its own for a big prompt or a
+worker without a shared stream (``OwnGeneration``).
 
-``WorkerStream.generate(body)`` returns a ``Generation`` that is used exactly like a ``Generate`` call: iterate it
-for ``GenerateResponse`` deltas, catch ``grpc.aio.AioRpcError`` (a generation's error result becomes one, with the
-worker's status details, so retries and error mapping in ``pipeline.py`` do not know the difference), ``cancel()``
-it when no longer wanted (a cancel frame tells the worker to abort it).
+``WorkerStream.generate(body)`` returns a ``Generation``; it and ``OwnGeneration`` are used alike: iterate for
+``GenerateResponse`` deltas, catch ``grpc.aio.AioRpcError`` (a generation's error result becomes one, with the
+worker's status details, so retries and error mapping in ``pipeline.py`` need not know where it came from),
+``cancel()`` when no longer wanted (a cancel frame, or cancelling the call, tells the worker to abort it).
 
 The stream opens on first use and re-opens on the next generation after it ends. When it ends — the worker died
 (transport error), drained (it ends its streams once idle) or refused the method — every generation still on it
@@ -35,16 +36,15 @@ from embedmesh.core.mux import MuxSession, entry
 from embedmesh.core.server import plain_mesh_channel
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["WorkerStream", "Generation", "MAX_STREAM_BODY"]
+__all__ = ["WorkerStream", "Generation", "OwnGeneration", "MAX_STREAM_BODY", "GENERATE_MANY"]
 
 log = get_logger(__name__)
 
 GENERATE_MANY = "/embedmesh.worker.v1.WorkerService/GenerateMany"
 
 MAX_STREAM_BODY = 256 * 1024
-"""Requests larger than this (prompts with many embedding rows) go as their own Generate call: on the shared
-stream they would hold up every other generation while they are written, and the call path keeps their rows
-uncopied (``core.wire``)."""
+"""Requests larger than this (prompts with many embedding rows) go on a GenerateMany call of their own: on the
+shared stream they would hold up every other generation while they are written."""
 
 _FRAMES = worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number
 _GENERATE = worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number
@@ -151,6 +151,70 @@ class _Session:
 
     def close(self) -> None:
         self._mux.close()
+
+
+class OwnGeneration:
+    """One generation on a GenerateMany call of its own (``messages``: its start frame, then any rows frames, with
+    id ``worker_chunks.OWN_ID``); iterated and cancelled like a ``Generation``. After the generation's end the call
+    is read to its end (the worker ends it once the request stream is closed and nothing runs); after its error the
+    call is cancelled (rows may still be on their way)."""
+
+    def __init__(self, call: Any, gid: int) -> None:
+        self._call = call
+        self._gid = gid
+        self._it: Any = None
+        self._queue: collections.deque[worker_pb2.GenerateResponse] = collections.deque()
+        self._done = False
+        self._error: grpc.aio.AioRpcError | None = None
+
+    def __aiter__(self) -> OwnGeneration:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        while True:
+            if self._queue:
+                return self._queue.popleft()
+            if self._done:
+                if self._error is None:
+                    raise StopAsyncIteration
+                raise self._error
+            if self._it is None:
+                self._it = self._call.__aiter__()
+            try:
+                message = await self._it.__anext__()
+            except StopAsyncIteration:
+                self._done, self._error = True, _ENDED  # ended before its generation did: the worker drains
+                continue
+            for result in message.results:
+                if result.id == self._gid:
+                    self._deliver(result)
+            if self._done:
+                await self._finish()
+
+    def _deliver(self, result: worker_pb2.GenerateResult) -> None:
+        kind = result.WhichOneof("result")
+        if kind == "response":
+            self._queue.append(result.response)
+        elif kind == "error":
+            self._done, self._error = True, rpc_error_from_status(result.error)
+        elif kind == "end":
+            self._done = True
+
+    async def _finish(self) -> None:
+        if self._error is not None:
+            self._call.cancel()
+            return
+        try:
+            async for _ in self._it:
+                pass
+        except grpc.aio.AioRpcError:
+            pass  # the generation ended normally; how the call ended after it does not matter
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        self._done, self._error = True, _CANCELLED
+        return bool(self._call.cancel())
 
 
 class WorkerStream:

@@ -15,15 +15,17 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import propagate
 
+from embedmesh.core import wire
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
 from embedmesh.services.preprocessor.config import WORKER_STREAMS
 from embedmesh.services.preprocessor.migration import MigrationLimits
-from embedmesh.services.preprocessor.worker_chunks import ChunkedBody, ChunkedCall
-from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
+from embedmesh.services.preprocessor.worker_chunks import OWN_ID, ChunkedBody
+from embedmesh.services.preprocessor.worker_stream import GENERATE_MANY, MAX_STREAM_BODY, OwnGeneration, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerHandle", "WorkerPool"]
@@ -48,36 +50,25 @@ class WorkerHandle:
     """LoRA adapters loaded on it (ListLoraAdapters, refreshed whenever it turns SERVING and after admin calls)."""
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
     _recheck: asyncio.Task[None] | None = field(default=None, repr=False)
-    _generate_raw: Any = field(default=None, repr=False)
     stream: WorkerStream | None = field(default=None, repr=False)
-    """The GenerateMany stream small requests share (``worker_stream.py``); None = a Generate call each."""
-    _chunks_raw: Any = field(default=None, repr=False)
+    """The GenerateMany stream small requests share (``worker_stream.py``); None = a GenerateMany call each."""
+    _many_raw: Any = field(default=None, repr=False)
 
     def generate_raw(self, body: bytes | ChunkedBody) -> Any:
-        """One generation of a request already serialized (``core.wire``), iterated like a Generate call: a
-        ``ChunkedBody`` (big rows) as a GenerateChunks stream; bytes on the worker's shared GenerateMany stream when
-        small, else as its own Generate call (the tensor rows are not copied again by protobuf on the way out)."""
-        if isinstance(body, ChunkedBody):
-            return ChunkedCall(self, body)
-        if self.stream is not None and len(body) <= MAX_STREAM_BODY:
+        """One generation of a request already serialized (``core.wire``), iterated like a ``Generation``: bytes on
+        the worker's shared GenerateMany stream when small; a ``ChunkedBody`` (big rows: a start frame, then rows
+        frames), big bytes, or any request to a worker without a shared stream on a GenerateMany call of its own."""
+        if isinstance(body, bytes) and self.stream is not None and len(body) <= MAX_STREAM_BODY:
             return self.stream.generate(body)
-        return self.generate_call(body)
-
-    def chunks_call(self, body: ChunkedBody) -> Any:
-        """``WorkerService.GenerateChunks`` of ``body``."""
-        if self._chunks_raw is None:
-            self._chunks_raw = self.channel.stream_stream(
-                f"/{WORKER_SERVICE}/GenerateChunks", request_serializer=None,
-                response_deserializer=worker_pb2.GenerateResponse.FromString)
-        return self._chunks_raw(body.messages())
-
-    def generate_call(self, body: bytes) -> Any:
-        """``WorkerService.Generate`` of ``body``, as its own call."""
-        if self._generate_raw is None:
-            self._generate_raw = self.channel.unary_stream(
-                f"/{WORKER_SERVICE}/Generate", request_serializer=None,
-                response_deserializer=worker_pb2.GenerateResponse.FromString)
-        return self._generate_raw(body)
+        if self._many_raw is None:
+            self._many_raw = self.channel.stream_stream(
+                GENERATE_MANY, request_serializer=None,
+                response_deserializer=worker_pb2.GenerateManyResponse.FromString)
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        messages = body.messages(carrier) if isinstance(body, ChunkedBody) else \
+            iter([wire.frame_start(OWN_ID, body, carrier)])
+        return OwnGeneration(self._many_raw(messages), OWN_ID)
 
 
 class WorkerPool:
@@ -95,7 +86,7 @@ class WorkerPool:
                              f"{worker_streams!r}")
         self.worker_streams = worker_streams
         """Which workers' small generations share one GenerateMany stream: all, routed (only addresses the router
-        named; configured addresses get a Generate call each), off."""
+        named; configured addresses get a GenerateMany call per generation), off."""
         self.lora_load_on_demand = lora_load_on_demand
         """A request naming a known adapter that no healthy worker holds loads it on one (``ensure_adapter``)."""
         self.catalog: dict[str, tuple[str, str]] = {}

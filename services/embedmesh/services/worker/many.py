@@ -1,11 +1,18 @@
-"""``WorkerService.GenerateMany``: many generations over one long-lived stream.
+"""``WorkerService.GenerateMany``, the worker's one generation RPC: generations over a stream of start / rows /
+cancel frames.
 
 A gRPC call costs far more than a message on an open stream (grpc.aio's call set-up, the client interceptors, the
 server's handler task): the preprocessor keeps one GenerateMany stream per worker and sends each small request on
-it as one frame. Each generation is still handled as a ``Generate`` call would be — the same checks and admission
-(``WorkerServicer.Generate`` runs it), its own span parented by the frame's trace context, its own
-``embedmesh_rpc_*{method="Generate"}`` counts — and its error ends only that generation, as an error result carrying
-the status (code, message, details) the call would have ended with.
+it as one start frame. A big prompt gets a stream of its own: a start frame whose embeds tensors carry no ``data``,
+then ``rows`` frames with their bytes (``core.pieces.expect``: laid out once, aligned, NaN/Inf-scanned piece by
+piece as they arrive; nothing past the worker's message size limit allocated). Its generation starts once every
+byte arrived. Each generation has its own checks and admission (``WorkerServicer.generate``), its own span parented
+by the frame's trace context and its own ``embedmesh_rpc_*{method="GenerateMany.generation"}`` counts; its error
+ends only that generation, as an error result carrying the status (code, message, details).
+
+Rows rules (INVALID_ARGUMENT naming ``rows``, as an error result of that id): rows for an id that is not running
+(UNKNOWN_GENERATION), more bytes than the shapes need (TOO_MANY_BYTES: the generation ends), fewer when the request
+stream ends (INCOMPLETE) or nothing for ``pieces.IDLE_SECONDS`` (IDLE_TIMEOUT).
 
 Results of all generations share one outgoing queue, written as one ``GenerateManyResponse`` message per write: while
 the caller reads slower than the engines produce, each write carries more results instead of the queue growing
@@ -23,26 +30,40 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
+from embedmesh.core import pieces
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import Observed
+from embedmesh.core.wire import RowsFrame
+from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["GENERATE_METHOD", "ManyStreams", "error_result"]
+__all__ = ["GENERATE_METHOD", "ManyStreams", "error_result", "embeds_of"]
 
 log = get_logger(__name__)
 
-GENERATE_METHOD = "/embedmesh.worker.v1.WorkerService/Generate"
-"""What one generation is observed as (span name, RPC metrics)."""
+GENERATE_METHOD = "/embedmesh.worker.v1.WorkerService/GenerateMany.generation"
+"""What one generation is observed as (span name, RPC metrics: method ``GenerateMany.generation``)."""
 
 BACKLOG = 4096
 """Results waiting to be written past which generations and the frame reader pause."""
 
 _END = worker_pb2.GenerationEnd()
 
-Generate = Callable[[worker_pb2.GenerateRequest], AsyncIterator[worker_pb2.GenerateResponse]]
+Generate = Callable[[worker_pb2.GenerateRequest, "pieces.Arrival | None"], AsyncIterator[worker_pb2.GenerateResponse]]
+"""One generation: its request and, when its rows came as ``rows`` frames, their arrival (complete)."""
+
+Expect = Callable[[worker_pb2.GenerateRequest], "pieces.Arrival | None"]
+"""The arrival a start frame's rows-less tensors wait for (``pieces.expect``), or None."""
+
+
+def embeds_of(request: worker_pb2.GenerateRequest) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
+    """The embeds tensors of a GenerateRequest by the field path ``messages.request_from_proto`` reads them with."""
+    for i, seg in enumerate(request.segments):
+        if seg.WhichOneof("kind") == "embeds":
+            yield f"segments[{i}].embeds", seg.embeds
 
 
 def error_result(gid: int, err: EmbedmeshError) -> worker_pb2.GenerateResult:
@@ -53,10 +74,13 @@ def error_result(gid: int, err: EmbedmeshError) -> worker_pb2.GenerateResult:
 class _Stream:
     """One GenerateMany call: its running generations and its outgoing results."""
 
-    def __init__(self, generate: Generate, draining: Callable[[], bool]) -> None:
+    def __init__(self, generate: Generate, draining: Callable[[], bool], expect: Expect) -> None:
         self._generate = generate
         self._draining = draining
+        self._expect = expect
         self.running: dict[int, asyncio.Task[None]] = {}
+        self.arrivals: dict[int, pieces.Arrival] = {}
+        """Generations started with rows to come, until they all came (then the generation runs)."""
         self.out: list[worker_pb2.GenerateResult] = []
         self.wake = asyncio.Event()
         self.space = asyncio.Event()
@@ -95,8 +119,11 @@ class _Stream:
     async def _read(self, frames: AsyncIterator[worker_pb2.GenerateManyRequest]) -> None:
         try:
             async for message in frames:
-                for frame in message.frames:
-                    self._on_frame(frame)
+                if isinstance(message, RowsFrame):  # one rows frame, its bytes uncopied (core.wire)
+                    self._on_rows(message.id, message.data)
+                else:
+                    for frame in message.frames:
+                        self._on_frame(frame)
                 if not self.space.is_set():
                     await self.space.wait()
         except asyncio.CancelledError:
@@ -105,12 +132,38 @@ class _Stream:
             self.failed = e
         finally:
             self.reading = False
+            if self.failed is None:  # (a broken stream fails as a whole: its generations are cancelled)
+                for arrival in self.arrivals.values():
+                    arrival.end()  # rows still owed: INCOMPLETE
             self.wake.set()
+
+    def _on_rows(self, gid: int, data: memoryview | bytes) -> None:
+        arrival = self.arrivals.get(gid)
+        if arrival is not None:
+            try:
+                arrival.feed(data)  # a broken rule ends the arrival: its generation fails with it
+            except EmbedmeshError:
+                pass
+            return
+        task = self.running.get(gid)
+        if task is None:
+            self.emit(error_result(gid, InvalidArgument(
+                f"rows: generation {gid} is not running on this stream (rows follow its start frame)", field="rows",
+                reason="UNKNOWN_GENERATION")))
+            return
+        # Running, and every byte its tensors need already came (or none were owed): the bytes are too many.
+        self.running.pop(gid)
+        task.cancel()
+        self.emit(error_result(gid, InvalidArgument(
+            f"rows: generation {gid} has every byte its tensors need; these {len(data)} are too many", field="rows",
+            reason="TOO_MANY_BYTES")))
 
     def _on_frame(self, frame: worker_pb2.GenerateFrame) -> None:
         gid = frame.id
         action = frame.WhichOneof("action")
-        if gid == 0:
+        if action == "rows" and gid:
+            self._on_rows(gid, memoryview(frame.rows))
+        elif gid == 0:
             self.emit(error_result(0, InvalidArgument("frames[].id must be >= 1", field="id",
                                                       reason="OUT_OF_RANGE")))
         elif action == "cancel":
@@ -119,7 +172,7 @@ class _Stream:
                 task.cancel()
         elif action is None:
             self.emit(error_result(gid, InvalidArgument(
-                f"frame {gid}: one of generate or cancel is required", field="action", reason="REQUIRED")))
+                f"frame {gid}: one of generate, rows or cancel is required", field="action", reason="REQUIRED")))
         elif gid in self.running:
             self.emit(error_result(gid, InvalidArgument(
                 f"frame {gid}: a generation with this id is already running on this stream", field="id",
@@ -130,13 +183,26 @@ class _Stream:
                 retry_after_seconds=1.0)))
         else:
             trace = list(frame.trace_context.items())
-            self.running[gid] = asyncio.ensure_future(self._generation(gid, frame.generate, trace))
+            try:
+                arrival = self._expect(frame.generate)
+            except EmbedmeshError as e:  # its tensors' shapes: refused before anything is allocated
+                self.emit(error_result(gid, e))
+                return
+            if arrival is not None:
+                self.arrivals[gid] = arrival
+            self.running[gid] = asyncio.ensure_future(self._generation(gid, frame.generate, trace, arrival))
 
-    async def _generation(self, gid: int, request: worker_pb2.GenerateRequest, trace: list[tuple[str, str]]) -> None:
+    async def _generation(self, gid: int, request: worker_pb2.GenerateRequest, trace: list[tuple[str, str]],
+                          arrival: pieces.Arrival | None) -> None:
         try:
             with Observed(GENERATE_METHOD, trace) as obs:
                 try:
-                    async for response in self._generate(request):
+                    if arrival is not None:
+                        try:
+                            await arrival.fed()
+                        finally:
+                            self.arrivals.pop(gid, None)
+                    async for response in self._generate(request, arrival):
                         self.emit(worker_pb2.GenerateResult(id=gid, response=response))
                         if not self.space.is_set():
                             await self.space.wait()
@@ -151,14 +217,15 @@ class _Stream:
 class ManyStreams:
     """The worker's GenerateMany streams: serves each one and ends them all when a drain starts."""
 
-    def __init__(self, generate: Generate) -> None:
+    def __init__(self, generate: Generate, expect: Expect) -> None:
         self._generate = generate
+        self._expect = expect
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self.draining = False
 
     async def serve(self, frames: AsyncIterator[worker_pb2.GenerateManyRequest]) -> AsyncIterator[
             worker_pb2.GenerateManyResponse]:
-        stream = _Stream(self._generate, lambda: self.draining)
+        stream = _Stream(self._generate, lambda: self.draining, self._expect)
         self._streams.add(stream)
         async for batch in stream.results(frames):
             yield batch

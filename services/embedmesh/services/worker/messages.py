@@ -30,9 +30,11 @@ FINISH_TO_PROTO = {
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
 }
 
-def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> GenerationRequest:
+def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo,
+                       arrival: pieces.Arrival | None = None) -> GenerationRequest:
     """Convert and check a GenerateRequest against the served model (``validate``): every engine gets only
-    requests that keep the rules it relies on, whoever sent them."""
+    requests that keep the rules it relies on, whoever sent them. ``arrival``: the bytes of its data-less embeds
+    tensors (``rows`` frames, ``pieces.expect``), by field path."""
     if not req.request_id:
         raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
     check_task(info)
@@ -45,10 +47,12 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo) -> Gene
         if kind == "token_ids":
             segments.append(TokenSegment(tuple(seg.token_ids.ids)))
         elif kind == "embeds":
-            arr, dtype = tensors.to_numpy(seg.embeds, field=f"segments[{i}].embeds")
+            path = f"segments[{i}].embeds"
+            data = arrival.views.get(path) if arrival is not None else None
+            arr, dtype = tensors.to_numpy(seg.embeds, field=path, data=data)
             # Cast to the model dtype here (a copy only when the wire dtype differs), scanned for NaN/Inf once.
             rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens,
-                                    scanned=pieces.arrival_of(arr) is not None)
+                                    scanned=data is not None and arrival is not None and arrival.scanned)
             segments.append(EmbedsSegment(rows))
         else:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")

@@ -12,11 +12,10 @@ from embedmesh.core import pieces, tensors
 from embedmesh.core.errors import EmbedmeshError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import MiB
-from embedmesh.services.worker.chunks import arrive
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, relative_to_root, resolve_adapter_path
-from embedmesh.services.worker.many import ManyStreams
+from embedmesh.services.worker.many import ManyStreams, embeds_of
 from embedmesh.services.worker.messages import delta_to_proto, info_to_proto, request_from_proto
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,21 +29,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  max_message_bytes: int = 512 * MiB) -> None:
         self.engine = engine
         self.max_message_bytes = max_message_bytes
-        """The server's message size limit: also the most a GenerateChunks request's rows may add up to."""
+        """The server's message size limit: also the most a generation's ``rows`` frames may add up to."""
         self.max_queue = max_queue
-        """Sequences that may wait beyond a full batch; past them Generate is refused at once."""
+        """Sequences that may wait beyond a full batch; past them a generation is refused at once."""
         self.worker_id = worker_id
         self.lora_root = lora_root or default_lora_root()
         """LoRA adapters load only from folders under this one."""
-        self.many = ManyStreams(lambda request: self.Generate(request, None))
+        self.many = ManyStreams(self.generate, self._expect)
         """The GenerateMany streams (``worker/many.py``); ``main`` calls ``many.start_drain`` when a drain starts."""
 
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext | None
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    def _expect(self, request: worker_pb2.GenerateRequest) -> pieces.Arrival | None:
+        """The rows a start frame's data-less embeds tensors wait for (``rows`` frames), NaN/Inf-scanned as they
+        arrive when they come in the model's dtype (``request_from_proto`` then skips that scan for them)."""
+        kinds = [t.dtype for _, t in embeds_of(request) if not len(t.data) and t.dtype in tensors.DTYPES]
+        scan = None
+        if kinds:
+            model_dtype = tensors.dtype_from_name(self.engine.info().dtype)  # set before the engine is ready
+            if all(k == model_dtype for k in kinds):
+                scan = pieces.finite_scan(model_dtype, "prompt_embeds")
+        return pieces.expect(request, embeds_of, self.max_message_bytes, scan)
+
+    async def generate(self, request: worker_pb2.GenerateRequest, arrival: pieces.Arrival | None = None
+                       ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """One generation of a GenerateMany stream (``arrival``: its rows, when they came as ``rows`` frames)."""
         # Every engine relies on these checks (sampling ranges, finite rows, shapes, token ids, context), whoever
         # sent the request: they run here, once, for all engines.
-        req = request_from_proto(request, await self.engine.ready_info())
+        req = request_from_proto(request, await self.engine.ready_info(), arrival)
         if req.resumed and not self.engine.resumes:
             raise FailedPrecondition(f"resume_token_ids: the {self.engine.info().engine} engine cannot continue a "
                                      "generation", field="resume_token_ids", reason="RESUME_UNSUPPORTED")
@@ -54,17 +64,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         token_text = self.engine.token_text if wants_text else None
         async for delta in coalesced(self.engine.generate(req)):
             yield delta_to_proto(delta, prompt_len, token_text)
-
-    async def GenerateChunks(  # noqa: N802
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateChunksRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        # The rows arrive in pieces (``chunks.py``); then the request is served exactly as a Generate call.
-        info = await self.engine.ready_info()
-        arrival = await arrive(request_iterator, self.max_message_bytes, tensors.dtype_from_name(info.dtype))
-        tensors.set_wire_views(arrival.views)
-        with pieces.arriving(arrival):
-            async for response in self.Generate(arrival.request, context):
-                yield response
 
     async def GenerateMany(  # noqa: N802
         self, request_iterator: AsyncIterator[worker_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext

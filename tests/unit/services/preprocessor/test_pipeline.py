@@ -31,6 +31,7 @@ from embedmesh.services.preprocessor.pipeline import (
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.router.route_client import RouteDecision
+from embedmesh.services.worker.many import ManyStreams
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -80,11 +81,16 @@ class _Worker(worker_pb2_grpc.WorkerServiceServicer):
         self.die_after = die_after
         self.calls = 0
         self.server: Server | None = None
+        self.many = ManyStreams(self.generate, lambda request: None)
 
     async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
         return worker_pb2.GetInfoResponse(model="m", worker_id=f"w-{id(self)}", hidden_size=4)
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+    async def GenerateMany(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for results in self.many.serve(request_iterator):
+            yield results
+
+    async def generate(self, request: Any, arrival: Any = None) -> AsyncIterator[Any]:
         self.calls += 1
         for i in range(self.tokens):
             if self.die_after is not None and i == self.die_after:

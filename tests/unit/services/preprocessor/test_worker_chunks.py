@@ -1,7 +1,7 @@
-"""Big prompts go to the worker as a GenerateChunks stream (``preprocessor/worker_chunks.py``) on a real gRPC
-server: the pipeline sends prompts with at least ``CHUNKED_MIN`` bytes of rows that way and smaller ones as before,
-the rows arrive as sent, a worker without the method (an older one) is served by one Generate message, and a
-worker that refuses a stream before reading it all still gets its own answer through."""
+"""Big prompts go to the worker as a GenerateMany call of their own, a start frame then rows frames
+(``preprocessor/worker_chunks.py``), on a real gRPC server: the pipeline sends prompts with at least
+``CHUNKED_MIN`` bytes of rows that way and smaller ones on the shared stream, the rows arrive as sent, and a worker
+that refuses a generation before reading all its rows still gets its own answer through."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from embedmesh.core.sampling import SamplingParams
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.services.preprocessor.pipeline import Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import Prompt
-from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN, ChunkedCall
+from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN
+from embedmesh.services.preprocessor.worker_stream import OwnGeneration
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.tensor.v1 import tensor_pb2
@@ -33,7 +34,7 @@ class _Counting(WorkerServicer):
 
     def __init__(self, max_message_bytes: int = 512 << 20) -> None:
         super().__init__(SlowEcho(), "w-1", max_message_bytes=max_message_bytes)
-        self.calls = {"Generate": 0, "GenerateChunks": 0, "GenerateMany": 0}
+        self.calls = {"generation": 0, "with rows frames": 0, "GenerateMany": 0}
         self.rows: list[np.ndarray] = []
         real = self.engine.generate
 
@@ -44,15 +45,10 @@ class _Counting(WorkerServicer):
 
         self.engine.generate = generate  # type: ignore[method-assign]
 
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        if context is not None:
-            self.calls["Generate"] += 1
-        async for r in super().Generate(request, context):
-            yield r
-
-    async def GenerateChunks(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
-        self.calls["GenerateChunks"] += 1
-        async for r in super().GenerateChunks(request_iterator, context):
+    async def generate(self, request: Any, arrival: Any = None) -> AsyncIterator[Any]:
+        self.calls["generation"] += 1
+        self.calls["with rows frames"] += arrival is not None
+        async for r in super().generate(request, arrival):
             yield r
 
     async def GenerateMany(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
@@ -110,8 +106,11 @@ def test_prompts_with_many_rows_go_as_chunks_and_others_as_before() -> None:
             text, usage = await _run(_job(big, big2, small, n=2), pool)
             assert text == {i: "xx" for i in range(6)}
             assert usage.prompt_tokens == BIG + BIG + 7 + SMALL
-            assert worker.calls["GenerateChunks"] == 4  # two big prompts x n=2 (each runs Generate inside)
-            assert worker.calls["Generate"] - 4 == 2  # the small prompt is one message (over the stream's frames)
+            assert worker.calls["with rows frames"] == 4  # two big prompts x n=2
+            assert worker.calls["generation"] - 4 == 2  # the small prompt: one message each
+            # one call per generation: the small prompt (rows in its request) is past the shared stream's
+            # MAX_STREAM_BODY too
+            assert worker.calls["GenerateMany"] == 4 + 2
             sent = sorted((r for r in worker.rows), key=len)
             assert len(sent) == 6
             for got, want in zip(sent, [small, small, big, big, big2, big2], strict=True):
@@ -125,8 +124,8 @@ def test_prompts_with_many_rows_go_as_chunks_and_others_as_before() -> None:
 
 def test_a_stream_the_worker_refused_early_still_ends_with_the_workers_answer() -> None:
     async def run() -> None:
-        # The worker takes at most 1 MiB of rows: it refuses the stream after the first message, while the
-        # preprocessor is still writing; the answer that comes back is the worker's, not grpc.aio's failed write.
+        # The worker takes at most 1 MiB of rows: it refuses the generation at its start frame, while the
+        # preprocessor is still writing its rows; the answer that comes back is the worker's.
         worker = _Counting(max_message_bytes=CHUNKED_MIN)
         server, pool = await _serve(worker)
         try:
@@ -138,7 +137,7 @@ def test_a_stream_the_worker_refused_early_still_ends_with_the_workers_answer() 
             req.sampling.max_tokens = 2
             head, rows = wire.chunked_segments([_rows(BIG * 3, 5)], tensor_pb2.DATA_TYPE_FP32)
             call = handle.generate_raw(ChunkedBody(req.SerializeToString() + head, tuple(rows)))
-            assert isinstance(call, ChunkedCall)
+            assert isinstance(call, OwnGeneration)
             try:
                 _ = [r async for r in call]
                 raise AssertionError("the worker took more than its limit")

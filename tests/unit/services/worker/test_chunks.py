@@ -1,7 +1,8 @@
-"""GenerateChunks on a real gRPC server (``worker/chunks.py``, ``core.wire.parse_generate_chunk``): rows split
-anywhere reach the engine exactly as sent, laid out aligned; the request is then served as a Generate call (its
-checks included); a stream that breaks a rule — no request first, a second request, too many or too few bytes, rows
-past the message limit, bytes that are not a message, no mesh token — ends with an error naming the field."""
+"""Big prompts on GenerateMany on a real gRPC server: a start frame whose embeds tensors carry no data, then ``rows``
+frames (``worker/many.py``, ``core.pieces.expect``, ``core.wire.parse_generate_many``): rows split anywhere reach
+the engine exactly as sent, laid out aligned; the generation is then checked as any other; a generation that breaks
+a rule — rows before its start, a second start of a running id, too many or too few bytes, rows past the message
+limit, a bad shape, bytes that are not a message, no mesh token — ends with an error naming the field."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.engines import SlowEcho
+from tests.support.worker_generate import worker_generate
 
 SERVICE = "embedmesh.worker.v1.WorkerService"
 HIDDEN = 4
@@ -52,9 +54,13 @@ async def _serve(max_message_bytes: int = 512 << 20) -> tuple[_Seeing, Server, g
     return engine, server, grpc.aio.insecure_channel(server.address)
 
 
-def _raw_call(channel: grpc.aio.Channel, messages: list[bytes]) -> Any:
-    return channel.stream_stream(f"/{SERVICE}/GenerateChunks", request_serializer=None,
-                                 response_deserializer=worker_pb2.GenerateResponse.FromString)(iter(messages))
+def _raw_call(channel: grpc.aio.Channel, messages: Any, **kw: Any) -> Any:
+    return worker_generate(channel, raw=messages, **kw)
+
+
+def _frames(request: bytes, rows: list[memoryview], size: int) -> list[bytes]:
+    """The GenerateMany messages of generation 1: its start frame, then its rows in frames of ``size`` bytes."""
+    return [wire.frame_start(1, request)] + [wire.frame_rows(1, piece) for _, piece in wire.row_pieces(rows, size)]
 
 
 def _request(*pieces: tuple[int, ...] | np.ndarray, max_tokens: int = 2) -> tuple[bytes, list[memoryview]]:
@@ -81,7 +87,7 @@ def test_rows_split_anywhere_reach_the_engine_as_sent_and_aligned() -> None:
             a, b = _rows(3000, 1), _rows(1700, 2)
             request, rows = _request(a, (5, 6, 7), b)
             # piece sizes that cut rows, floats and the boundary between the two tensors
-            messages = list(wire.chunk_messages(request, [memoryview(b"".join(rows))], 4099))
+            messages = _frames(request, [memoryview(b"".join(rows))], 4099)
             got = [r async for r in _raw_call(channel, messages)]
             assert "".join(r.text for r in got) == "xx"
             assert got[-1].prompt_tokens == 3000 + 3 + 1700
@@ -107,15 +113,14 @@ def test_a_tensor_that_carries_its_own_data_needs_no_rows_and_generate_checks_st
             req = worker_pb2.GenerateRequest(request_id="r2")
             req.sampling.max_tokens = 1
             req.segments.add().embeds.CopyFrom(tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=own.tobytes()))
-            first = worker_pb2.GenerateChunksRequest(request=req).SerializeToString()
-            got = [r async for r in _raw_call(channel, [first])]
+            got = [r async for r in worker_generate(channel, req)]
             assert got[-1].prompt_tokens == 2
             np.testing.assert_array_equal(engine.seen[0].segments[0].rows, own)
 
             bad = _rows(8)
             bad[5, 1] = np.nan
             request, rows = _request(bad)
-            err = await _error(_raw_call(channel, list(wire.chunk_messages(request, rows, 40))))
+            err = await _error(_raw_call(channel, _frames(request, rows, 40)))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert from_rpc_error(err).reason == "NON_FINITE" and err.details().startswith("prompt_embeds:")
 
@@ -128,13 +133,13 @@ def test_a_tensor_that_carries_its_own_data_needs_no_rows_and_generate_checks_st
 
 
 def _rows_message(data: bytes) -> bytes:
-    return worker_pb2.GenerateChunksRequest(rows=data).SerializeToString()
+    return wire.frame_rows(1, data)
 
 
 @pytest.mark.parametrize("case, field, reason", [
-    ("rows first", "request", "REQUIRED"),
-    ("nothing", "request", "REQUIRED"),
-    ("two requests", "request", "DUPLICATE"),
+    ("rows first", "rows", "UNKNOWN_GENERATION"),
+    ("nothing", "action", "REQUIRED"),
+    ("two requests", "id", "DUPLICATE_ID"),
     ("too many bytes", "rows", "TOO_MANY_BYTES"),
     ("too few bytes", "rows", "INCOMPLETE"),
     ("past the limit", "segments[0].embeds.shape", "TOO_LARGE"),
@@ -147,19 +152,21 @@ def test_a_stream_that_breaks_a_rule_is_refused_by_name(case: str, field: str, r
         try:
             request, rows = _request(_rows(100))
             data = b"".join(rows)
-            first = wire.chunk_messages(request, [], 1).__next__()
+            first = wire.frame_start(1, request)
+            # rows beside their start in one message: read in one go, so nothing runs in between
+            start_and_rows = first + _rows_message(data)
             messages = {
                 "rows first": [_rows_message(data), first],
-                "nothing": [],
-                "two requests": [first, _rows_message(data), first],
-                "too many bytes": [first, _rows_message(data), _rows_message(b"\0" * 4)],
+                "nothing": [worker_pb2.GenerateManyRequest(frames=[worker_pb2.GenerateFrame(id=1)])
+                            .SerializeToString()],
+                "two requests": [first, first],
+                "too many bytes": [start_and_rows + _rows_message(b"\0" * 4)],
                 "too few bytes": [first, _rows_message(data[:-4])],
-                "past the limit": [next(wire.chunk_messages(_request(np.zeros((70000, HIDDEN), np.float32))[0], [],
-                                                            1))],
-                "bad shape": [worker_pb2.GenerateChunksRequest(request=worker_pb2.GenerateRequest(
+                "past the limit": [wire.frame_start(1, _request(np.zeros((70000, HIDDEN), np.float32))[0])],
+                "bad shape": [wire.frame_start(1, worker_pb2.GenerateRequest(
                     request_id="x", segments=[worker_pb2.PromptSegment(embeds=tensor_pb2.Tensor(
-                        dtype=FP32, shape=[-1, HIDDEN]))])).SerializeToString()],
-                "not a message": [first, b"\x12\xff\xff"],
+                        dtype=FP32, shape=[-1, HIDDEN]))]).SerializeToString())],
+                "not a message": [first, b"\x0a\xff\xff"],
             }[case]
             err = await _error(_raw_call(channel, messages))
             assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -184,12 +191,10 @@ def test_a_stream_without_the_mesh_token_is_refused() -> None:
                 req = worker_pb2.GenerateRequest(request_id="t", segments=[worker_pb2.PromptSegment(
                     embeds=tensor_pb2.Tensor(dtype=FP32, shape=[2, HIDDEN], data=_rows(2).tobytes()))])
                 req.sampling.max_tokens = 2
-                messages = [worker_pb2.GenerateChunksRequest(request=req).SerializeToString()]
+                messages = [wire.frame_start(1, req.SerializeToString())]
                 err = await _error(_raw_call(channel, messages))
                 assert err.code() == grpc.StatusCode.UNAUTHENTICATED
-                call = channel.stream_stream(f"/{SERVICE}/GenerateChunks", request_serializer=None,
-                                             response_deserializer=worker_pb2.GenerateResponse.FromString)(
-                    iter(messages), metadata=((tls.MESH_TOKEN_HEADER, "s3cret-token-value"),))
+                call = _raw_call(channel, messages, metadata=((tls.MESH_TOKEN_HEADER, "s3cret-token-value"),))
                 assert "".join([r.text async for r in call]) == "xx"
                 assert len(engine.seen) == 1
             finally:
@@ -201,31 +206,82 @@ def test_a_stream_without_the_mesh_token_is_refused() -> None:
     asyncio.run(run())
 
 
-def test_rows_messages_are_read_as_views_and_parse_as_protobuf_does() -> None:
+def test_rows_frames_are_read_as_views_and_parse_as_protobuf_does() -> None:
     data = bytes(range(256)) * 64
-    raw = _rows_message(data)
-    piece = wire.parse_generate_chunk(raw)
-    assert isinstance(piece, wire.RowsPiece) and bytes(piece.data) == data
+    raw = wire.frame_rows(7, data)
+    piece = wire.parse_generate_many(raw)
+    assert isinstance(piece, wire.RowsFrame) and piece.id == 7 and bytes(piece.data) == data
     assert piece.data.obj is raw  # a view of the received bytes, not a copy
-    request_only = worker_pb2.GenerateChunksRequest(request=worker_pb2.GenerateRequest(request_id="a"))
-    for other in (request_only.SerializeToString(),
-                  _rows_message(b"ab"),  # small: protobuf is as fast
-                  raw + b"\x12\x00"):    # a second rows field: protobuf decides
-        parsed = wire.parse_generate_chunk(other)
-        assert parsed == worker_pb2.GenerateChunksRequest.FromString(other)
+    assert worker_pb2.GenerateManyRequest.FromString(raw).frames[0].rows == data  # what protobuf reads
+    start = wire.frame_start(1, worker_pb2.GenerateRequest(request_id="a", lora_adapter="x" * 5000)
+                             .SerializeToString())
+    for other in (start,
+                  wire.frame_rows(7, b"ab"),  # small: protobuf is as fast
+                  raw + wire.frame_rows(8, b"cd")):  # a second frame: protobuf decides
+        parsed = wire.parse_generate_many(other)
+        assert parsed == worker_pb2.GenerateManyRequest.FromString(other)
     with pytest.raises(DecodeError):  # as protobuf words it (the server turns it into MALFORMED_MESSAGE)
-        wire.parse_generate_chunk(b"\x12\xff\xff")
+        wire.parse_generate_many(b"\x0a\xff\xff" + b"\0" * 5000)
 
 
-def test_chunk_messages_parse_back_to_the_request_and_its_rows() -> None:
+def test_frames_parse_back_to_the_request_and_its_rows() -> None:
     a, b = _rows(33), _rows(17, 3)
     request, rows = _request((1, 2), a, b)
-    messages = list(wire.chunk_messages(request, rows, 100))
-    parsed = [worker_pb2.GenerateChunksRequest.FromString(m) for m in messages]
-    assert parsed[0].WhichOneof("part") == "request"
-    head = parsed[0].request
+    messages = _frames(request, rows, 100)
+    parsed = [worker_pb2.GenerateManyRequest.FromString(m).frames[0] for m in messages]
+    assert parsed[0].WhichOneof("action") == "generate" and parsed[0].id == 1
+    head = parsed[0].generate
     assert list(head.segments[0].token_ids.ids) == [1, 2]
     assert [list(s.embeds.shape) for s in head.segments[1:]] == [[33, HIDDEN], [17, HIDDEN]]
     assert all(len(s.embeds.data) == 0 for s in head.segments[1:])
-    assert all(len(p.rows) <= 100 for p in parsed[1:])
+    assert all(p.WhichOneof("action") == "rows" and p.id == 1 and len(p.rows) <= 100 for p in parsed[1:])
     assert b"".join(p.rows for p in parsed[1:]) == a.tobytes() + b.tobytes()
+
+
+async def _queued(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    while (message := await queue.get()) is not None:
+        yield message
+
+
+def test_rows_after_a_generation_started_end_it_and_silence_ends_one_still_owed_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes past the shapes that come once the generation runs end it (TOO_MANY_BYTES, the engine aborts it); rows
+    still owed with nothing arriving for ``pieces.IDLE_SECONDS`` end theirs (IDLE_TIMEOUT): neither waits for the
+    stream to end."""
+    from embedmesh.core import pieces
+
+    async def run() -> None:
+        engine, server, channel = await _serve()
+        engine.delay = 0.05
+        try:
+            request, rows = _request(_rows(10), max_tokens=50)
+            queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+            for m in _frames(request, rows, 1 << 20):
+                queue.put_nowait(m)
+            call = _raw_call(channel, _queued(queue))
+            first = await call.__anext__()  # it runs
+            assert first.text == "x"
+            queue.put_nowait(_rows_message(b"\0" * 4))
+            err = await _error(call)
+            e = from_rpc_error(err)
+            assert (err.code(), e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "rows", "TOO_MANY_BYTES")
+            async with asyncio.timeout(5):
+                while engine.closed != ["r1"]:  # aborted in the engine, not left running
+                    await asyncio.sleep(0.01)
+            queue.put_nowait(None)
+
+            monkeypatch.setattr(pieces, "IDLE_SECONDS", 0.2)
+            request, rows = _request(_rows(10))
+            silent: asyncio.Queue[bytes | None] = asyncio.Queue()
+            silent.put_nowait(wire.frame_start(1, request))
+            silent.put_nowait(_rows_message(bytes(rows[0][:8])))
+            err = await _error(_raw_call(channel, _queued(silent)))
+            e = from_rpc_error(err)
+            assert (err.code(), e.field, e.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "rows", "IDLE_TIMEOUT")
+            assert len(engine.seen) == 1
+            silent.put_nowait(None)
+        finally:
+            await channel.close()
+            await server._server.stop(0)
+
+    asyncio.run(run())

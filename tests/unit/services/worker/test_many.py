@@ -100,7 +100,7 @@ async def test_generations_interleave_and_each_ends_with_end_and_its_own_text() 
                                                  worker_pb2.GenerateFrame(id=9, generate=_gen("b", 5))]))
     await out.until(lambda: out.ended(7) and out.ended(9))
     # The same request as a Generate call gives the same text.
-    direct = "".join([r.text async for r in servicer.Generate(_gen("c", 5), None)])
+    direct = "".join([r.text async for r in servicer.generate(_gen("c", 5))])
     assert _text(out.by_id[9]) == direct and len(direct) > 0
     assert out.by_id[7][-1].WhichOneof("result") == "end"
     assert out.by_id[9][-1].WhichOneof("result") == "end"

@@ -70,7 +70,7 @@ def _generate(servicer: WorkerServicer, **sampling: Any) -> list[worker_pb2.Gene
         setattr(req.sampling, k, v)
 
     async def go() -> list[worker_pb2.GenerateResponse]:
-        return [r async for r in servicer.Generate(req, None)]  # type: ignore[arg-type]
+        return [r async for r in servicer.generate(req)]
 
     return _run(go())
 

@@ -55,7 +55,7 @@ def with_value(value: float, dtype: Any = np.float32) -> np.ndarray:
 
 
 async def generate(servicer: WorkerServicer, request: worker_pb2.GenerateRequest) -> list[Any]:
-    return [r async for r in servicer.Generate(request, None)]  # type: ignore[arg-type]
+    return [r async for r in servicer.generate(request)]
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from embedmesh.services.worker.main import SERVICE_NAME
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.services.worker.watchdog import EXIT_CODE, Watchdog
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.worker_generate import worker_generate
 
 
 class StandIn(Engine):
@@ -95,7 +96,7 @@ class Harness:
         req = worker_pb2.GenerateRequest(request_id=request_id,
                                          segments=[worker_pb2.PromptSegment(token_ids=worker_pb2.TokenIds(ids=[1]))])
         req.sampling.max_tokens = 1
-        return self.worker.Generate(req, timeout=30)
+        return worker_generate(self.worker, req, timeout=30)
 
     async def status(self) -> int:
         resp = await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)

@@ -95,11 +95,11 @@ async def test_the_servicer_says_which_engines_resume_and_refuses_the_others() -
     req.sampling.max_tokens = 2
     yes = WorkerServicer(EchoEngine(hidden_size=4), "w1")
     assert (await yes.GetInfo(worker_pb2.GetInfoRequest(), None)).resumes_generation
-    assert [r.text async for r in yes.Generate(req, None)] != []
+    assert [r.text async for r in yes.generate(req)] != []
     no = WorkerServicer(_NoResume(hidden_size=4), "w2")
     assert not (await no.GetInfo(worker_pb2.GetInfoRequest(), None)).resumes_generation
     with pytest.raises(FailedPrecondition) as e:
-        [r async for r in no.Generate(req, None)]
+        [r async for r in no.generate(req)]
     assert e.value.reason == "RESUME_UNSUPPORTED"
     # SGLang does not resume: a migrated stream never reaches it (the preprocessor picks by GetInfo). vLLM does,
     # refusing per request what it cannot continue exactly (tests/unit/services/worker/engines/vllm/test_resume.py).
