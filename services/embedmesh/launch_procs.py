@@ -195,9 +195,12 @@ def force_stop(procs: list[MeshProcess]) -> None:
 
 def _survivable(p: MeshProcess, procs: list[MeshProcess]) -> str | None:
     """Why the mesh keeps serving without ``p`` (gone), or None when it cannot: one worker or router replica of
-    several (the router drops the worker; the preprocessors ask the other routers), or the embedding worker."""
+    several (the router drops the worker; the preprocessors ask the other routers), the embedding worker, or an image
+    encode service (the preprocessor skips it for the others, or refuses image parts while none answers)."""
     if p.name == "embed-worker":
         return "the mesh serves generation without it"
+    if p.name.startswith("image-encoder-"):
+        return "the mesh serves text without it (images it would encode are refused UNAVAILABLE)"
     for prefix, what in (("worker-", "worker(s)"), ("router", "router replica(s)")):
         if p.name.startswith(prefix):
             alive = [q for q in procs if q.name.startswith(prefix) and q.proc.poll() is None]

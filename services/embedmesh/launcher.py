@@ -121,7 +121,8 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     refused with --router-process, --router-replicas > 1 or --tls."""
     metrics_port_base: int = 9100
     """Prometheus ports: preprocessor base+1 (the router's too when inside it), router process base+2, vector
-    store base+3, embed worker base+9, worker i base+10+i (0 = no metrics ports)."""
+    store base+3, image encoder k base+4+k (k < 5), embed worker base+9, worker i base+10+i (0 = no metrics
+    ports)."""
     embed_worker_port: int = MESH["worker-embed"].port
     """Port of the embedding worker serving /v1/embeddings (0 = none)."""
     embed_engine: str = option("hf-embed", choices=("hf-embed", "sglang"))
@@ -129,6 +130,12 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     sglang_venv: str = ""
     """venv with sglang==0.5.23 (make sglang-venv) for --embed-engine sglang; empty =
     $EMBEDMESH_CACHE/venvs/sglang-0.5.23."""
+    image_encoders: int = option(0, env="EMBEDMESH_NUM_IMAGE_ENCODERS")
+    """Image encode services started (``embedmesh.services.image_encoder``, the preprocessor's
+    ``--image-encoder-address``): an image cache miss is encoded there, round robin; 0 = inside the preprocessor.
+    They run the preprocessor's encoder (EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER, _IMAGE_PROJECTOR) for its models."""
+    image_encoder_port: int = 50111
+    """First image encode service's port; further ones take the next ports."""
     vector_store_port: int = MESH["vector-store"].port
     """Vector store port (0 = none)."""
     vector_store_data_dir: str = ""
@@ -163,6 +170,8 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
             raise ValueError("--gateway-tls needs --tls")
         if not self.drain_seconds >= 0:
             raise ValueError("--drain-seconds must be >= 0")
+        if not 0 <= self.image_encoders <= 16:
+            raise ValueError(f"--image-encoders must be in [0, 16], got {self.image_encoders}")
         if not 1 <= self.router_replicas <= 16:
             raise ValueError(f"--router-replicas must be in [1, 16], got {self.router_replicas}")
         if self.embedded_router and (self.router_process or self.router_replicas > 1 or self.tls):
@@ -323,9 +332,39 @@ def _start_preprocessor(p: _Plan) -> None:
         args += ["--model-tokenizers", ",".join(p.tokenizers)]
     if a.lora_load_on_demand:
         args += ["--lora-load-on-demand"]
+    encoders = _start_image_encoders(p, args)
+    if encoders:
+        args += ["--image-encoder-address", ",".join(encoders)]
     env = {**p.env, "EMBEDMESH_ROUTER_MODE": a.router_mode} if a.embedded_router else None  # the router's mode
     p.start("preprocessor", "preprocessor", addr, args, env)
     p.addrs["preprocessor"] = [addr]
+
+
+IMAGE_ENCODER_MODULE = "embedmesh.services.image_encoder.main"
+"""Not in mesh.yaml (the cluster runs no image encoder yet: the services image has no torch); started beside the
+preprocessor only when ``--image-encoders`` asks."""
+
+
+def _start_image_encoders(p: _Plan, preprocessor_args: list[str]) -> list[str]:
+    """``--image-encoders`` encode services for the preprocessor's models (its ``--tokenizer`` and
+    ``--model-tokenizers`` in ``preprocessor_args``), running its encoder; their addresses."""
+    a = p.a
+    encoder = p.env.get("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", "efficientnet-lite0")
+    if not a.image_encoders or encoder == "off":
+        return []
+    models = [x for flag in ("--tokenizer", "--model-tokenizers") if flag in preprocessor_args
+              for x in (flag, preprocessor_args[preprocessor_args.index(flag) + 1])]
+    projector = p.env.get("EMBEDMESH_PREPROCESSOR_IMAGE_PROJECTOR", "")
+    addrs = []
+    for k in range(a.image_encoders):
+        port = a.image_encoder_port + k
+        addr = f"{a.host}:{port}"
+        args = ["--host", a.host, "--port", str(port), "--encoder", encoder, *models,
+                *(["--image-projector", projector] if projector else []), *(p.metrics(4 + k) if k < 5 else [])]
+        p.procs.append(MeshProcess(f"image-encoder-{k}", addr,
+                                   p.spawn(f"image-encoder-{k}", IMAGE_ENCODER_MODULE, args, p.env)))
+        addrs.append(addr)
+    return addrs
 
 
 def _start_vector_store(p: _Plan) -> None:
@@ -387,7 +426,8 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
 
     def _spawn(name: str, module: str, args: list[str], child_env: dict[str, str],
                python: str = sys.executable) -> subprocess.Popen[bytes]:
-        cert = "worker" if name.startswith("worker-") else "router" if name.startswith("router-") else name
+        cert = "worker" if name.startswith("worker-") else "router" if name.startswith("router-") else \
+            "image-encoder" if name.startswith("image-encoder-") else name
         own = {**child_env, **certs.get(cert, {})}
         if not callers.needs_mesh_token(cert, tls=bool(certs)):
             own.pop("EMBEDMESH_MESH_TOKEN", None)  # least privilege: core/callers.py says who holds it

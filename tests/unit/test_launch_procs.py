@@ -108,3 +108,20 @@ def test_a_gone_childs_group_gets_sigterm_first_and_no_other_group_is_signalled(
         assert wait_gone([tree.grandchildren["worker-0"]]) == []  # went on SIGTERM, long before its SIGKILL
     finally:
         tree.close()
+
+
+def test_the_mesh_serves_on_without_its_image_encoders_but_not_without_its_preprocessor(tmp_path: Path) -> None:
+    tree = _Tree(tmp_path, "term", ["image-encoder-0", "preprocessor"])
+    try:
+        result: list[int] = []
+        watcher = threading.Thread(target=lambda: result.append(launch_procs.watch(tree.procs, 10, GRACE)),
+                                   daemon=True)
+        watcher.start()
+        os.kill(tree.child("image-encoder-0"), signal.SIGKILL)  # the last image encoder: text is still served
+        assert wait_gone([tree.grandchildren["image-encoder-0"]]) == []
+        assert watcher.is_alive() and result == [] and alive(tree.child("preprocessor"))
+        os.kill(tree.child("preprocessor"), signal.SIGKILL)
+        watcher.join(60)
+        assert result == [1]
+    finally:
+        tree.close()

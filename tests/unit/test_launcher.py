@@ -348,3 +348,56 @@ def test_the_embedded_router_flag_refuses_a_layout_with_router_processes(argv: l
 def test_router_replicas_are_bounded() -> None:
     with pytest.raises(SystemExit):
         launcher.parse_args(["--router-replicas", "0"])
+
+
+def test_image_encoders_start_before_the_preprocessor_which_gets_their_addresses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", raising=False)
+    started = _plan(["--engine", "echo", "--image-encoders", "2", "--image-encoder-port", "7100",
+                     "--workers", "1"])
+    by_label = {label: (module, args) for label, module, args in started}
+    labels = [label for label, _, _ in started]
+    assert labels.index("image-encoder-0") < labels.index("image-encoder-1") < labels.index("preprocessor")
+    for k in range(2):
+        module, args = by_label[f"image-encoder-{k}"]
+        assert module == "embedmesh.services.image_encoder.main" and _arg(args, "--port") == str(7100 + k)
+        assert _arg(args, "--encoder") == "efficientnet-lite0"
+        assert _arg(args, "--tokenizer") == _arg(by_label["preprocessor"][1], "--tokenizer")  # the same folder
+    assert _arg(by_label["preprocessor"][1], "--image-encoder-address") == "127.0.0.1:7100,127.0.0.1:7101"
+    default = _plan(["--engine", "echo"])  # 0: encoded inside the preprocessor, as make run has it
+    assert not any(label.startswith("image-encoder") for label, _, _ in default)
+    assert all("--image-encoder-address" not in args for _, _, args in default)
+
+
+def test_image_encoders_run_the_preprocessors_encoder_and_none_start_when_images_are_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", "dinov2")
+    monkeypatch.setenv("EMBEDMESH_PREPROCESSOR_IMAGE_PROJECTOR", "/p")
+    args = {label: a for label, _, a in _plan(["--engine", "echo", "--image-encoders", "1"])}["image-encoder-0"]
+    assert (_arg(args, "--encoder"), _arg(args, "--image-projector"), _arg(args, "--port")) == ("dinov2", "/p",
+                                                                                               "50111")
+    monkeypatch.setenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", "off")
+    assert [label for label, _, _ in _plan(["--engine", "echo", "--image-encoders", "1"])] == [
+        "worker-0", "preprocessor", "gateway"]
+    with pytest.raises(SystemExit):
+        _plan(["--image-encoders", "17"])
+
+
+def test_with_tls_an_image_encoder_has_its_own_certificate_and_no_mesh_token(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    """Only the preprocessor may call it (core/callers.py), with its certificate: the encoder needs no token."""
+    monkeypatch.delenv("EMBEDMESH_MESH_TOKEN", raising=False)
+    monkeypatch.delenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", raising=False)
+    envs: dict[str, dict[str, str]] = {}
+
+    def spawn(name: str, module: str, args: list[str], env: dict[str, str], python: str = "") -> _FakeProc:
+        envs[name] = env
+        return _FakeProc()
+
+    monkeypatch.setattr(launcher, "spawn_process", spawn)
+    a = _args("--tls", "--tls-dir", str(tmp_path), "--image-encoders", "1", "--engine", "echo")
+    env = dict(os.environ)
+    per_child, _ = launcher.security_env(a, env)
+    launcher.start_mesh(a, per_child, env)
+    assert envs["image-encoder-0"]["EMBEDMESH_TLS_CERT"] == str(tmp_path / "image-encoder.pem")
+    assert "EMBEDMESH_MESH_TOKEN" not in envs["image-encoder-0"] and "EMBEDMESH_MESH_TOKEN" in envs["preprocessor"]

@@ -44,6 +44,7 @@ MESH_CALLERS: Mapping[str, frozenset[str]] = {
     "embedmesh.router.v1.RouterService/WorkerStream": frozenset({"worker"}),
     "embedmesh.worker.v1.WorkerService": frozenset({"preprocessor"}),
     "embedmesh.cache.v1.EncoderCacheService": frozenset({"preprocessor"}),
+    "embedmesh.imageencoder.v1.ImageEncoderService": frozenset({"preprocessor"}),
     # Nobody calls the vector store as the mesh: the gateway forwards its client's key.
     "embedmesh.vectorstore.v1.VectorStoreService": frozenset(),
     # The vector store embeds through the preprocessor (with the mesh token on its public port; a certificate

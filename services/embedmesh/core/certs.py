@@ -21,7 +21,7 @@ from pathlib import Path
 __all__ = ["make_mesh_certs", "SERVICE_NAMES"]
 
 SERVICE_NAMES = ("gateway", "preprocessor", "router", "worker", "embed-worker", "vector-store", "encoder-cache",
-                 "client")
+                 "image-encoder", "client")
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:

@@ -119,8 +119,10 @@ class EncodeServiceClient:
         runs other weights) or limits set apart from this server's, never the client's fault as such."""
         err = from_rpc_error(e)
         if err.reason == "ENCODER_CHANGED":
-            return self.unavailable(field, "a replica runs other weights than the one described (restarted?); "
-                                           "the next request describes it again")
+            changed = self.unavailable(field, "a replica runs other weights than the one described (restarted?); "
+                                              "the next request describes it again")
+            changed.reason = "ENCODER_CHANGED"
+            return changed
         return FailedPrecondition(f"{field}: the image encoder {self.encoder} refused the image: {err}", field=field,
                                   reason=err.reason or "ENCODER_UNAVAILABLE")
 

@@ -290,8 +290,11 @@ class VisionStage:
         the context) as a client's would be; a service that breaks one is refused as unavailable, not trusted."""
         try:
             answer = await enc.encode_remote(pixels, field)
-        except Unavailable:
-            self._remotes.pop(model, None)  # described again next time: the replica may come back with other weights
+        except Unavailable as e:
+            # Described again next time when a replica runs other weights now; while replicas are merely down the
+            # description stays, so images already cached are still served.
+            if e.reason == "ENCODER_CHANGED":
+                self._remotes.pop(model, None)
             raise
         try:
             arr, dtype = to_numpy(answer, field=field, data=memoryview(answer.data))

@@ -47,16 +47,20 @@ class FakeEncoderService(imageencoder_pb2_grpc.ImageEncoderServiceServicer):
         self.hidden = hidden
         self.encodes = 0
         self.digests: list[str] = []
+        self.identity = IDENTITY
 
     async def Encode(self, request: Any, context: Any) -> Any:  # noqa: N802
-        self.encodes += 1
         self.digests.append(request.encoder_digest)
+        if request.encoder_digest != encoder_digest(self.identity):  # as the real service refuses it
+            raise FailedPrecondition("other weights", field="encoder_digest", reason="ENCODER_CHANGED")
+        self.encodes += 1
         px = np.frombuffer(request.pixels.data, np.uint8).reshape(tuple(request.pixels.shape))
-        return imageencoder_pb2.EncodeResponse(rows=self.answer(px), encoder_digest=encoder_digest(IDENTITY))
+        return imageencoder_pb2.EncodeResponse(rows=self.answer(px), encoder_digest=encoder_digest(self.identity))
 
     async def GetInfo(self, request: Any, context: Any) -> Any:  # noqa: N802
         return imageencoder_pb2.GetInfoResponse(encoder=self.encoder, model=imageencoder_pb2.ModelEncoder(
-            model=request.model, identity=IDENTITY, encoder_digest=encoder_digest(IDENTITY), hidden_size=self.hidden))
+            model=request.model, identity=self.identity, encoder_digest=encoder_digest(self.identity),
+            hidden_size=self.hidden))
 
 
 async def serve(servicer: FakeEncoderService) -> Server:
@@ -122,6 +126,7 @@ async def test_a_replica_that_is_down_is_skipped_and_none_answering_is_unavailab
             await rows(s, png(7))
         assert e.value.reason == "ENCODER_UNAVAILABLE" and e.value.field == FIELD
         assert "image encoder counting" in str(e.value) and dead in str(e.value) and server.address in str(e.value)
+        assert (await rows(s, png(1))).shape == (3, HIDDEN)  # encoded before: served with every replica down
     finally:
         await s.remote.close()  # type: ignore[union-attr]
 
@@ -168,3 +173,24 @@ async def test_a_service_running_another_encoder_or_width_is_refused() -> None:
         finally:
             await s.remote.close()  # type: ignore[union-attr]
             await server.drain()
+
+
+async def test_a_replica_restarted_with_other_weights_is_described_again_and_never_mixes_keys() -> None:
+    fake = FakeEncoderService()
+    server = await serve(fake)
+    cache = TieredCache(CacheConfig(capacity_bytes=1 << 20))
+    s = stage(server.address, cache=cache)
+    try:
+        await rows(s, png(1))
+        fake.identity = "other-tower+fake-projector"  # the service now runs other weights
+        with pytest.raises(Unavailable) as e:
+            await rows(s, png(2))  # asked with the old digest: refused, not answered under the old key
+        assert e.value.reason == "ENCODER_CHANGED"
+        await rows(s, png(2))  # described again: encoded under the new identity
+        assert fake.encodes == 2 and fake.digests[-1] == encoder_digest(fake.identity)
+        keys = list(cache.l1.keys())  # type: ignore[attr-defined]
+        assert sum(encoder_digest(IDENTITY) in k for k in keys) == 1
+        assert sum(encoder_digest(fake.identity) in k for k in keys) == 1
+    finally:
+        await s.remote.close()  # type: ignore[union-attr]
+        await server.drain()
