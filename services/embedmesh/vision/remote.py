@@ -51,7 +51,7 @@ class RemoteEncoder:
         self.hidden_size = int(info.model.hidden_size)
 
     async def encode_remote(self, pixels: np.ndarray, field: str) -> tensor_pb2.Tensor:
-        return await self.client.encode(self, pixels, field)
+        return (await self.client.encode(self, pixels, field)).rows
 
 
 class EncodeServiceClient:
@@ -105,14 +105,15 @@ class EncodeServiceClient:
             raise self.unavailable(field, f"its GetInfo named no encoder for model {model!r}")
         return RemoteEncoder(self, model, info)
 
-    async def encode(self, enc: RemoteEncoder, pixels: np.ndarray, field: str) -> tensor_pb2.Tensor:
+    async def encode(self, enc: RemoteEncoder, pixels: np.ndarray, field: str) -> imageencoder_pb2.EncodeResponse:
+        """The service's answer for ``pixels`` (one copy of them into the request), unchecked."""
         request = imageencoder_pb2.EncodeRequest(model=enc.model, encoder_digest=enc.digest,
                                                  pixels=from_numpy(pixels, tensor_pb2.DATA_TYPE_UINT8))
         try:
             answer = await self._call("Encode", request, ENCODE_TIMEOUT_SECONDS, field)
         except grpc.aio.AioRpcError as e:
             raise self._refused(e, field) from None
-        return answer.rows
+        return answer
 
     def _refused(self, e: grpc.aio.AioRpcError, field: str) -> Exception:
         """A replica's refusal of a request this server built: the service's own state (its encoder cannot load,
