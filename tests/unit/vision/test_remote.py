@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from embedmesh.core.embeds import ModelSpec
-from embedmesh.core.errors import FailedPrecondition, Unavailable
+from embedmesh.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.tensors import from_numpy
 from embedmesh.imageencoder.v1 import imageencoder_pb2, imageencoder_pb2_grpc
@@ -194,3 +194,26 @@ async def test_a_replica_restarted_with_other_weights_is_described_again_and_nev
     finally:
         await s.remote.close()  # type: ignore[union-attr]
         await server.drain()
+
+
+class OverloadedService(FakeEncoderService):
+    async def Encode(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.encodes += 1
+        raise ResourceExhausted("queue full", reason="OVERLOADED", retry_after_seconds=1.0)
+
+
+async def test_an_overloaded_replica_is_skipped_for_the_next_and_all_overloaded_is_unavailable() -> None:
+    busy, fine = OverloadedService(), FakeEncoderService()
+    servers = [await serve(busy), await serve(fine)]
+    s = stage(*(x.address for x in servers))
+    try:
+        for seed in range(2):  # whichever replica round robin starts on, the image is encoded by the free one
+            assert (await rows(s, png(seed))).shape == (3, HIDDEN)
+        assert fine.encodes == 2 and busy.encodes >= 1
+        await servers[1].drain()
+        with pytest.raises(Unavailable) as e:
+            await rows(s, png(9))
+        assert e.value.reason == "ENCODER_UNAVAILABLE" and "RESOURCE_EXHAUSTED" in str(e.value)
+    finally:
+        await s.remote.close()  # type: ignore[union-attr]
+        await servers[0].drain()

@@ -30,6 +30,15 @@ def test_image_settings() -> None:
     assert (d.image_encoder, d.image_url_hosts, d.max_image_bytes) == ("efficientnet-lite0", (), 20 << 20)
 
 
+def test_image_encode_services_and_dinov2_through_them_needs_no_local_projector() -> None:
+    c = PreprocessorConfig.from_args(["--image-encoder", "dinov2"], env={
+        "EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER_ADDRESS": "e:1,e:2"})
+    assert (c.image_encoder_address, c.image_projector) == (("e:1", "e:2"), "")
+    assert PreprocessorConfig().image_encoder_address == ()  # default: encoded in this process
+    with pytest.raises(ValueError, match="needs image_projector"):
+        PreprocessorConfig(image_encoder="dinov2")
+
+
 OLD = {"EMBEDMESH_WORKERS": "w:1,w:2", "EMBEDMESH_TOKENIZER": "/tok", "EMBEDMESH_MAX_EMBEDS_BYTES": "2048",
        "EMBEDMESH_MAX_MESSAGE_BYTES": str(8 << 20), "EMBEDMESH_CACHE_CAPACITY_BYTES": "0", "REDIS_URL": "redis://r",
        "EMBEDMESH_UPLOAD_TTL_SECONDS": "5", "EMBEDMESH_ROUTERS": "r:1", "EMBEDMESH_BLOCK_SIZE": "32",
