@@ -4,6 +4,7 @@ and on Ctrl-C (or SIGTERM) drain and stop them all.
 
     python -m embedmesh.launcher [--gateway-port 8000] [--workers 1] [--engine hf] [--model default]
                                  [--drain-seconds 30] [--tls [--gateway-tls]] [--api-keys-file FILE]
+                                 [--image-encoders 0]
 
 Children live in their own sessions (Ctrl-C reaches only the launcher, which stops them in order: SIGTERM, each
 drains for up to ``--drain-seconds``, then SIGKILL) and die with the launcher whatever kills it, SIGKILL included
