@@ -41,13 +41,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _expect(self, request: worker_pb2.GenerateRequest) -> pieces.Arrival | None:
         """The rows a start frame's data-less embeds tensors wait for (``rows`` frames), NaN/Inf-scanned as they
         arrive when they come in the model's dtype (``request_from_proto`` then skips that scan for them)."""
-        kinds = [t.dtype for _, t in embeds_of(request) if not len(t.data) and t.dtype in tensors.DTYPES]
+        # one read of each tensor's data (a read copies it: cheap next to the request, whose rows come inline)
+        dataless = [(path, t) for path, t in embeds_of(request) if not len(t.data)]
+        if not dataless:
+            return None
+        kinds = [t.dtype for _, t in dataless if t.dtype in tensors.DTYPES]
         scan = None
         if kinds:
             model_dtype = tensors.dtype_from_name(self.engine.info().dtype)  # set before the engine is ready
             if all(k == model_dtype for k in kinds):
                 scan = pieces.finite_scan(model_dtype, "prompt_embeds")
-        return pieces.expect(request, embeds_of, self.max_message_bytes, scan)
+        return pieces.expect(request, lambda _: dataless, self.max_message_bytes, scan)
 
     async def generate(self, request: worker_pb2.GenerateRequest, arrival: pieces.Arrival | None = None
                        ) -> AsyncIterator[worker_pb2.GenerateResponse]:
