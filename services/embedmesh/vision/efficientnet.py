@@ -50,17 +50,30 @@ def imagenet_class_names() -> list[str]:
     return names
 
 
+_MAX_RESIZED = 1 << 22
+"""Pixels of the resized image (before the crop) past which only the crop is computed (see ``preprocess``)."""
+
+
 def preprocess(pixels: np.ndarray) -> np.ndarray:
-    """``(H, W, 3)`` uint8 -> ``(3, 224, 224)`` float32 in [-1, 1]: shorter side to 256, centre crop."""
+    """``(H, W, 3)`` uint8 -> ``(3, 224, 224)`` float32 in [-1, 1]: shorter side to 256, centre crop.
+
+    The resized image grows with the aspect ratio: a 1 x 16384 strip (a tiny PNG the decoder accepts) would become
+    256 x 4194304 pixels, 3 GiB and seconds of CPU for the 224 x 224 the crop keeps. Past ``_MAX_RESIZED`` pixels,
+    only the crop's window is resampled (Pillow's ``box``: the same output grid, 224 x 224 allocated); ordinary
+    images keep the resize-then-crop they always had, so their rows do not change."""
     from PIL import Image
 
     im = Image.fromarray(np.asarray(pixels))
     w, h = im.size
     scale = _RESIZE / min(w, h)
-    im = im.resize((max(IMAGE_SIZE, round(w * scale)), max(IMAGE_SIZE, round(h * scale))), Image.Resampling.BICUBIC)
-    w, h = im.size
-    left, top = (w - IMAGE_SIZE) // 2, (h - IMAGE_SIZE) // 2
-    im = im.crop((left, top, left + IMAGE_SIZE, top + IMAGE_SIZE))
+    rw, rh = max(IMAGE_SIZE, round(w * scale)), max(IMAGE_SIZE, round(h * scale))
+    left, top = (rw - IMAGE_SIZE) // 2, (rh - IMAGE_SIZE) // 2
+    if rw * rh <= _MAX_RESIZED:
+        im = im.resize((rw, rh), Image.Resampling.BICUBIC).crop((left, top, left + IMAGE_SIZE, top + IMAGE_SIZE))
+    else:
+        sx, sy = w / rw, h / rh
+        im = im.resize((IMAGE_SIZE, IMAGE_SIZE), Image.Resampling.BICUBIC,
+                       box=(left * sx, top * sy, (left + IMAGE_SIZE) * sx, (top + IMAGE_SIZE) * sy))
     x = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
