@@ -51,15 +51,17 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 _GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
 _GENERATE_INLINE = "/embedmesh.inference.v1.InferenceService/GenerateInline"
+UNARY_MAX = 1 << 20
 
 
 class _Calls:
     """The generation calls as raw calls taking message bytes (``requests.chunk_messages``: one copy of each piece of
     rows, none by protobuf): ``pieces``, ``InferenceService.Generate`` for a header and its rows; ``inline``,
     ``InferenceService.GenerateInline`` for one message (the same bytes as a one-message Generate stream; a unary
-    request costs grpc's client and the server less CPU); ``whole``, GenerateInline made as a unary call, for an
-    answer without stream, which is exactly one event (the same call on the wire: one message and the status; the
-    unary path costs the client less again)."""
+    request costs grpc's client and the server less CPU); ``whole``, GenerateInline made as a unary call, for a
+    small request (under ``UNARY_MAX``) whose answer comes without stream, which is exactly one event (the same call on
+    the wire: one message and the status; the unary path costs the client less again; with big messages it was
+    measured slower, and slowed the calls after it on the channel)."""
 
     def __init__(self, channel: Any) -> None:
         events = inference_pb2.GenerateResponse.FromString
@@ -205,14 +207,15 @@ class Client:
 
     def _events(self, p: _Prepared) -> Iterator[inference_pb2.GenerateResponse]:
         messages = p.messages()
-        if p.inline and not p.stream:
+        one = next(messages) if p.inline else b""
+        if p.inline and not p.stream and len(one) < UNARY_MAX:
             try:
-                yield self._generate.whole(next(messages), timeout=self.timeout, metadata=self._md)
+                yield self._generate.whole(one, timeout=self.timeout, metadata=self._md)
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
             return
         if p.inline:
-            call = self._generate.inline(next(messages), timeout=self.timeout, metadata=self._md)
+            call = self._generate.inline(one, timeout=self.timeout, metadata=self._md)
         else:
             call = self._generate.pieces(messages, timeout=self.timeout, metadata=self._md)
         try:
@@ -411,14 +414,15 @@ class AsyncClient:
 
     async def _events(self, p: _Prepared) -> AsyncIterator[inference_pb2.GenerateResponse]:
         messages = p.messages()
-        if p.inline and not p.stream:
+        one = next(messages) if p.inline else b""
+        if p.inline and not p.stream and len(one) < UNARY_MAX:
             try:
-                yield await self._generate.whole(next(messages), timeout=self.timeout, metadata=self._md)
+                yield await self._generate.whole(one, timeout=self.timeout, metadata=self._md)
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e) from None
             return
         if p.inline:
-            call = self._generate.inline(next(messages), timeout=self.timeout, metadata=self._md)
+            call = self._generate.inline(one, timeout=self.timeout, metadata=self._md)
         else:
             call = self._generate.pieces(messages, timeout=self.timeout, metadata=self._md)
         try:
