@@ -280,3 +280,33 @@ def test_deeply_nested_json_text_over_grpc_is_invalid_argument(hmesh: Mesh, stub
         with pytest.raises(grpc.RpcError) as info:
             list(stub.GenerateInline(request, timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+KEY = "sk-hostile-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": KEY, "tenant": "hostile"}]}))
+    m = start_mesh(engine="echo", env={"EMBEDMESH_API_KEYS_FILE": str(keys), "EMBEDMESH_TRACE_CONSOLE": "0"})
+    yield m
+    m.stop()
+
+
+def test_without_a_key_a_gzip_or_big_request_is_refused_unread(keyed: Mesh) -> None:
+    pid = int(re.search(rb"preprocessor\s+\S+\s+\(pid (\d+)\)", Path(keyed.log_path).read_bytes()).group(1))
+    with grpc.insecure_channel(keyed.preprocessor, options=channel_options()) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        n = (32 << 20) // (4 * H)
+        big = _completion("any", tensor=_t([n, H], bytes(n * 4 * H)))  # 32 MiB of zeros
+        before = hwm_mib(pid)
+        for compression, code in ((grpc.Compression.Gzip, grpc.StatusCode.UNIMPLEMENTED),
+                                  (None, grpc.StatusCode.UNAUTHENTICATED)):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.GenerateInline(big, timeout=30, compression=compression))
+            assert info.value.code() == code, info.value.details()
+        assert hwm_mib(pid) - before < 24, (before, hwm_mib(pid))  # neither was inflated nor held whole
+        names = [m.id for m in stub.ListModels(ip.ListModelsRequest(), timeout=30,
+                                               metadata=[("authorization", f"Bearer {KEY}")]).models]
+        assert names
