@@ -20,7 +20,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -368,7 +368,8 @@ def _wrap_stream(
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | None,
-                 require_client_cert: bool = False, read_after_auth: bool = False) -> grpc.RpcMethodHandler:
+                 require_client_cert: bool = False, read_after_auth: bool = False,
+                 parser: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
     """``handler`` (of RPC ``method``) with what every RPC of the mesh gets: domain exceptions mapped to status codes
     with details (anything else becomes INTERNAL with an incident id), a server span parented by the caller's
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
@@ -376,12 +377,13 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
     reads its own metadata from its context.
 
     ``read_after_auth`` (public ports): a unary request is served as a one-message stream, read only once the
-    caller is authenticated (``core/inbound.py``)."""
+    caller is authenticated (``core/inbound.py``). ``parser``: the request deserializer the service handed over for
+    this RPC (``Server.add``), used instead of protobuf's."""
     authz = Authorizer(access, require_client_cert, method) if access is not None else None
     one = read_after_auth and authz is not None
     kw = dict(
         request_deserializer=inbound.safe_deserializer(
-            wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method,
+            parser or wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method,
             max_bytes=inbound.OPEN_MESSAGE_BYTES if one and access is Access.OPEN else 0),
         response_serializer=handler.response_serializer,
     )
@@ -415,8 +417,9 @@ class _Registrar:
     method handler is wrapped once (``wrap_handler``) and the wrapped ones are registered on the real server."""
 
     def __init__(self, server: grpc.aio.Server, access_for: Callable[[str], Access], require_client_cert: bool,
-                 read_after_auth: bool = False) -> None:
+                 read_after_auth: bool = False, parsers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
         self._server = server
+        self._parsers = parsers or {}
         self._access_for = access_for
         self._require_client_cert = require_client_cert
         self._read_after_auth = read_after_auth
@@ -428,7 +431,7 @@ class _Registrar:
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         wrapped = {name: wrap_handler(h, f"/{service}/{name}", self._access_for(f"/{service}/{name}"),
-                                      self._require_client_cert, self._read_after_auth)
+                                      self._require_client_cert, self._read_after_auth, self._parsers.get(name))
                    for name, h in method_handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
         self._server.add_registered_method_handlers(service, wrapped)
@@ -490,16 +493,22 @@ class Server:
         self._drain_start_hooks: list[Callable[[], Awaitable[None]]] = []
 
     def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str,
-            access: Access = Access.MESH, methods: dict[str, Access] | None = None) -> None:
+            access: Access = Access.MESH, methods: dict[str, Access] | None = None,
+            parsers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
         """Register a servicer under its fully qualified service name (for health and reflection).
 
         ``access``: who may call its RPCs (default: mesh callers and admin keys only); ``methods`` overrides it
-        per RPC name (e.g. ``{"Stats": Access.ADMIN}``)."""
+        per RPC name (e.g. ``{"Stats": Access.ADMIN}``). ``parsers``: RPC name -> request deserializer used instead
+        of protobuf's (one that keeps a message's tensor bytes uncopied); by default the servicer's own
+        ``request_parsers``, if it has them."""
         self._service_names.append(full_name)
         self._access[full_name] = access
         for m, a in (methods or {}).items():
             self._access[f"{full_name}/{m}"] = a
-        registrar = _Registrar(self._server, self._access_for, self._require_client_cert, self.options.public)
+        if parsers is None:
+            parsers = getattr(servicer, "request_parsers", None)
+        registrar = _Registrar(self._server, self._access_for, self._require_client_cert, self.options.public,
+                               parsers)
         register(servicer, registrar)  # type: ignore[arg-type]
         if not registrar.registered:
             # Only the generated registration hands over its method handlers; anything else would be served

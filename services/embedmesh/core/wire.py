@@ -478,11 +478,11 @@ UPLOAD_STREAMS = frozenset(_PIECES_STREAMS)
 method, a refusal of one waits for the client to finish sending (``core.server``)."""
 
 REQUEST_PARSERS: dict[str, Any] = {
-    "/embedmesh.worker.v1.WorkerService/GenerateMany": parse_generate_many,
     "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
                                                                      split_generate_header),
     "/embedmesh.inference.v1.InferenceService/GenerateInline": _parser(inference_pb2.GenerateInlineRequest,
                                                                        split_generate_header),  # same bytes
 }
-"""Request deserializers ``core.server`` uses instead of protobuf's for these methods."""
+"""Request deserializers ``core.server`` uses instead of protobuf's for these methods, for a service that does not
+hand its own to ``Server.add`` yet (the worker does: ``WorkerServicer.request_parsers``)."""
 

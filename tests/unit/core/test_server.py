@@ -94,6 +94,31 @@ async def test_domain_errors_carry_code_field_and_reason(served: Any, error: Any
     impl.raise_ = None
 
 
+class _OwnParser(worker_pb2_grpc.WorkerServiceServicer):
+    """Hands ``Server.add`` its own GetInfo request parser (as ``WorkerServicer.request_parsers`` does)."""
+
+    request_parsers = {"GetInfo": lambda raw: ("own parser", bytes(raw))}
+
+    async def GetInfo(self, request: Any, context: Any) -> worker_pb2.GetInfoResponse:  # noqa: N802
+        return worker_pb2.GetInfoResponse(model=repr(request))
+
+
+async def test_a_service_hands_its_own_request_parsers_to_add() -> None:
+    """The parser a servicer names (or ``add``'s ``parsers``) reads its RPC's request bytes instead of protobuf."""
+    request = worker_pb2.GetInfoRequest()
+    for parsers, want in ((None, repr(("own parser", b""))), ({}, repr(request))):
+        server = Server("test", ServerOptions(port=0, grace_seconds=0.1))
+        server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, _OwnParser(), WORKER, parsers=parsers)
+        await server.start()
+        channel = insecure_channel(server.address)
+        try:
+            got = await worker_pb2_grpc.WorkerServiceStub(channel).GetInfo(request)
+            assert got.model == want
+        finally:
+            await channel.close()
+            await server.drain()
+
+
 async def test_unexpected_errors_become_internal_without_internals(served: Any) -> None:
     _, impl, channel = served
     impl.raise_ = KeyError("secret-internal-detail")

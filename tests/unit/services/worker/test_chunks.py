@@ -212,6 +212,7 @@ def test_rows_frames_are_read_as_views_and_parse_as_protobuf_does() -> None:
     piece = wire.parse_generate_many(raw)
     assert isinstance(piece, wire.RowsFrame) and piece.id == 7 and bytes(piece.data) == data
     assert piece.data.obj is raw  # a view of the received bytes, not a copy
+    assert WorkerServicer.request_parsers["GenerateMany"] is wire.parse_generate_many  # what Server.add installs
     assert worker_pb2.GenerateManyRequest.FromString(raw).frames[0].rows == data  # what protobuf reads
     start = wire.frame_start(1, worker_pb2.GenerateRequest(request_id="a", lora_adapter="x" * 5000)
                              .SerializeToString())
