@@ -19,12 +19,12 @@ grammar dialect. With many distinct schemas per minute, llguidance is the switch
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
+from embedmesh.core import json_depth
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import Structured
 
@@ -66,7 +66,7 @@ def _check(s: Structured, field: str) -> str | None:
     """The error message for an invalid constraint, or None."""
     if s.kind == "json_schema":
         try:
-            schema = json.loads(str(s.value))
+            schema = json_depth.loads(str(s.value))
         except ValueError as e:
             return f"is not valid JSON ({e})"
         if not isinstance(schema, dict | bool):

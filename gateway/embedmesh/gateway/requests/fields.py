@@ -14,6 +14,7 @@ import orjson
 import pybase64
 from msgspec import Meta
 
+from embedmesh.core import json_depth
 from embedmesh.core.sampling import (
     LOGIT_BIAS_MAX,
     LOGIT_BIAS_MIN,
@@ -107,6 +108,8 @@ def schema_text(value: Any, param: str) -> str:
             raise Refusal(param, "must be a JSON schema (an object, or a string of JSON)", "invalid_value") from None
     if not isinstance(value, dict):
         raise Refusal(param, "must be a JSON schema (an object)", "invalid_type")
+    if json_depth.too_deep(value):
+        raise Refusal(param, f"is nested more than {json_depth.MAX_JSON_DEPTH} levels deep", "invalid_schema")
     try:
         import jsonschema
     except ImportError:  # pragma: no cover - a base dependency; the preprocessor checks again regardless

@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from embedmesh.core import json_depth
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import Structured
 from embedmesh.inference.v1 import inference_pb2
@@ -100,9 +101,10 @@ def check_tools(request: ToolRequest) -> ToolSpec | None:
                                   field=f"tools[{i}].function.name", reason="DUPLICATE")
         seen.add(name)
         try:
-            parameters = json.loads(parameters_json) if parameters_json else {"type": "object", "properties": {}}
-        except ValueError:
-            raise InvalidArgument(f"tools[{i}].function.parameters is not valid JSON",
+            parameters = (json_depth.loads(parameters_json) if parameters_json
+                          else {"type": "object", "properties": {}})
+        except ValueError as e:
+            raise InvalidArgument(f"tools[{i}].function.parameters is not valid JSON ({e})",
                                   field=f"tools[{i}].function.parameters", reason="INVALID_SCHEMA") from None
         if not isinstance(parameters, dict):
             raise InvalidArgument(f"tools[{i}].function.parameters must be a JSON schema object",
@@ -133,8 +135,8 @@ def tools_from_proto(params: inference_pb2.ChatParams) -> ToolSpec | None:
 def call_text(name: str, arguments: str) -> str:
     """How a past call appears in the prompt (assistant history)."""
     try:
-        args: Any = json.loads(arguments) if arguments else {}
-    except ValueError:
+        args: Any = json_depth.loads(arguments) if arguments else {}
+    except ValueError:  # not JSON, or nested past MAX_JSON_DEPTH: shown as the text it is
         args = arguments
     return "<tool_call>" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
@@ -158,7 +160,7 @@ class ToolParser:
 
     def _call(self, raw: str) -> inference_pb2.ToolCall | None:
         try:
-            obj = json.loads(raw)
+            obj = json_depth.loads(raw)
         except ValueError:
             return None
         if not isinstance(obj, dict) or obj.get("name") not in self.names:
@@ -166,7 +168,7 @@ class ToolParser:
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = json_depth.loads(args)
             except ValueError:
                 return None
         if not isinstance(args, dict):
