@@ -5,7 +5,8 @@ Each figure is the CPU time (user + system, from ``/proc/<pid>/stat``) a process
 divided by N, after a warm-up; the load generator's own CPU is measured too. Meshes (echo engine, so no model
 time): the router as its own service (``--router-process``), the router in the preprocessor (the default with one
 replica, named with ``--embedded-router``), and each again with
-``--worker-streams off`` (a GenerateMany call of its own per request instead of a frame on the worker's shared stream) and with
+``--worker-streams off`` (a GenerateMany call of its own per request instead of a frame on the worker's shared
+stream) and with
 ``EMBEDMESH_EVENT_LOOP=asyncio`` (the standard loop instead of uvloop). The limit: the bare grpc.aio unary server of
 ``bench_fastpath.py`` (L1), one hop. The first and third meshes are also driven over REST (``POST /v1/completions``
 through the gateway, by ``bench_fastpath.LightHttp``), beside the bare uvicorn + Starlette route (L2) driven the same
