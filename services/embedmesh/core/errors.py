@@ -18,6 +18,7 @@ errors, ``BadRequest.FieldViolation`` — never as strings in a response field.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import grpc
@@ -41,6 +42,8 @@ __all__ = [
     "PermissionDenied",
     "Unavailable",
     "InternalError",
+    "MAX_MESSAGE_BYTES",
+    "bounded",
     "to_status",
     "from_rpc_error",
     "to_status_message",
@@ -131,25 +134,56 @@ _BY_CODE: dict[grpc.StatusCode, type[EmbedmeshError]] = {
 }
 
 
+MAX_MESSAGE_BYTES = 1024
+"""Most UTF-8 bytes of an error message on the wire. A message travels three times in a call's trailers (the status
+message, percent-encoded as ``grpc-message``; and, base64-encoded in ``grpc-status-details-bin``, the status's message
+and the BadRequest description): bounded so, no error reaches gRPC's 8 KiB metadata limit, whatever a client sent."""
+_MAX_FIELD_BYTES = 256
+_MAX_QUOTED = 64
+_QUOTED = re.compile(f"'[^']{{{_MAX_QUOTED + 1},}}'|\"[^\"]{{{_MAX_QUOTED + 1},}}\"")
+
+
+def _cut_quoted(m: re.Match[str]) -> str:
+    q = m.group(0)
+    return f"{q[0]}{q[1:1 + _MAX_QUOTED // 2]}…({len(q) - 2} chars){q[0]}"
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``text`` fit for the wire: a quoted value past 64 chars cut to its head and its length (a client's model name
+    or role echoed in a message), then the whole cut to ``limit`` UTF-8 bytes with ``…(N chars)``."""
+    if len(text) <= limit // 4 and "'" not in text and '"' not in text:
+        return text
+    work = _QUOTED.sub(_cut_quoted, text)
+    raw = work.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return work
+    tail = f"…({len(text)} chars)"
+    head = raw[:limit - len(tail.encode())].decode("utf-8", "ignore")
+    return head + tail
+
+
 def to_status(err: EmbedmeshError) -> grpc.Status:
-    """Build the rich gRPC status (code, message, ErrorInfo, BadRequest) for ``err``."""
+    """Build the rich gRPC status (code, message, ErrorInfo, BadRequest) for ``err``; its message and field are
+    ``bounded``, so the trailers fit gRPC's metadata limit whatever client text the message quotes."""
     details: list[Any] = []
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN)
-    if err.field:
-        info.metadata["field"] = err.field
+    message = bounded(err.message)
+    field = bounded(err.field, _MAX_FIELD_BYTES) if err.field else err.field
+    info = error_details_pb2.ErrorInfo(reason=bounded(err.reason, 128), domain=DOMAIN)
+    if field:
+        info.metadata["field"] = field
     if err.retry_after_seconds is not None:
         info.metadata["retry_after_seconds"] = f"{max(0.0, err.retry_after_seconds):.3f}"
     packed = any_pb2.Any()
     packed.Pack(info)
     details.append(packed)
-    if err.field:
+    if field:
         bad = error_details_pb2.BadRequest(
-            field_violations=[error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)]
+            field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=message)]
         )
         packed = any_pb2.Any()
         packed.Pack(bad)
         details.append(packed)
-    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message, details=details)
+    status = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=message, details=details)
     return rpc_status.to_status(status)
 
 
@@ -161,7 +195,8 @@ def to_status_message(err: EmbedmeshError) -> common_pb2.RpcStatus:
     details a call's ``grpc-status-details-bin`` would carry."""
     status = to_status(err)
     details = next((v for k, v in status.trailing_metadata or () if k == "grpc-status-details-bin"), b"")
-    return common_pb2.RpcStatus(code=err.code.value[0], message=err.message, status_details=details)
+    return common_pb2.RpcStatus(code=err.code.value[0], message=bounded(err.message),
+                                status_details=details)
 
 
 def rpc_error(code: grpc.StatusCode, message: str, details: bytes = b"") -> grpc.aio.AioRpcError:
