@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from msgspec import Meta
-
-from embedmesh.gateway.requests.fields import INT32_MAX, UNKNOWN, int_field, is_int, token_ids
-from embedmesh.gateway.requests.model import Model, Refusal, Say
+from embedmesh.gateway.requests.fields import INT32_MAX, UNKNOWN, int_field, is_int, model_field, token_ids
+from embedmesh.gateway.requests.model import Model, Refusal
 from embedmesh.inference.v1 import inference_pb2
 
 
@@ -46,8 +44,7 @@ class EmbeddingsRequest(Model, kw_only=True, forbid_unknown_fields=True):
     "float" or "base64"."""
 
     unknown = UNKNOWN
-    model: Annotated[str, Meta(min_length=1), Say("is required (an embedding model; see GET /v1/models)",
-                                                  "missing")]
+    model: model_field("is required (an embedding model; see GET /v1/models)")
     input: Any = None
     encoding_format: Any = "float"
     dimensions: int_field(1, INT32_MAX, "must be a positive integer") | None = None

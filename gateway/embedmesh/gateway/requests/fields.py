@@ -313,7 +313,25 @@ def _check_one_constraint(obj: Any) -> None:
 
 
 # The field types both completion routes share (each model lists its fields in the order they are checked).
-Model_ = Annotated[str, Meta(min_length=1), Say("is required (a served model name; see GET /v1/models)", "missing")]
+MAX_MODEL_NAME = 256
+"""Longest model name a request may give (the preprocessor holds names to the same bound): a longer one is refused
+before it is looked up, echoed or sent on."""
+
+
+def model_field(required: str) -> Any:
+    """A request's ``model``: a non-empty string of at most ``MAX_MODEL_NAME`` characters."""
+    def message(value: Any, _obj: Any) -> str:
+        if isinstance(value, str) and len(value) > MAX_MODEL_NAME:
+            return f"must be at most {MAX_MODEL_NAME} characters (got {len(value)})"
+        return required
+
+    def code(value: Any, _obj: Any) -> str:
+        return "too_long" if isinstance(value, str) and len(value) > MAX_MODEL_NAME else "missing"
+
+    return Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME), Say(message, code)]
+
+
+Model_ = model_field("is required (a served model name; see GET /v1/models)")
 N = int_field(1, UINT32_MAX, "must be an integer >= 1")
 Stream = Annotated[StreamOptions, Say('must be an object like {"include_usage": true}', "invalid_type")]
 Temperature = float_field(_temperature_message, _temperature_code, ge=TEMPERATURE_MIN, le=TEMPERATURE_MAX)
