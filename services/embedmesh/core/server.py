@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, inbound, tls, wire
+from embedmesh.core import auth, inbound, tls, tracebacks, wire
 from embedmesh.core.auth import Access
 from embedmesh.core.authz import Authorizer
 from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
@@ -47,8 +47,7 @@ from embedmesh.core.telemetry import (
 )
 
 __all__ = ["ServerOptions", "Server", "channel_options", "server_options", "insecure_channel", "mesh_channel",
-           "plain_mesh_channel", "run_service", "EVENT_LOOPS",
-           "metadata_interceptors",
+           "plain_mesh_channel", "run_service", "EVENT_LOOPS", "metadata_interceptors",
            "wrap_handler", "Observed", "unexpected_error",
            "LIVENESS", "Access"]
 
@@ -260,8 +259,9 @@ class Observed:
 
     def failed(self, exc: Exception) -> EmbedmeshError:
         """The error this RPC ends with because of ``exc``, marked on its span and metrics: a domain error as it is,
-        anything else INTERNAL with an incident id (``unexpected_error``)."""
+        anything else INTERNAL with an incident id (``unexpected_error``, logged); then ``exc`` drops its frames."""
         err = exc if isinstance(exc, EmbedmeshError) else unexpected_error(exc, self.full)
+        tracebacks.drop(exc)
         self.fail(err.code.name)
         return err
 

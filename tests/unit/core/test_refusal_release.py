@@ -36,11 +36,6 @@ class _Holding(imageencoder_pb2_grpc.ImageEncoderServiceServicer):
         return imageencoder_pb2.EncodeResponse()
 
 
-@pytest.mark.xfail(strict=True, reason="core/server.py _wrap_unary/_wrap_stream: `error = obs.failed(e)` stays in the "
-                                       "wrapper's frame, which the error's traceback holds: a cycle keeping the "
-                                       "handler's frames (and the request) until a garbage collection (a scratch fix "
-                                       "that passes: obs.failed(e.with_traceback(None)); keep the log's traceback "
-                                       "by clearing e.__traceback__ after obs.failed logs it)")
 def test_a_refused_call_frees_its_handlers_locals_without_a_garbage_collection() -> None:
     async def run() -> tuple[list[bool], list[bool]]:
         servicer = _Holding()
