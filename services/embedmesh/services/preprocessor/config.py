@@ -39,6 +39,10 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     """Largest `n` (choices per prompt)."""
     max_prompts: int = 64
     """Most prompts in one request."""
+    max_messages: int = 2048
+    """Most messages in one chat request; checked before any is read or rendered."""
+    max_images_per_request: int = 16
+    """Most image parts in one chat request; checked before any image is fetched, decoded or encoded."""
     metrics_port: int = 0
     """Prometheus /metrics port (0 = none)."""
     cache_capacity_bytes: int = option(1 << 30, aliases=("EMBEDMESH_CACHE_CAPACITY_BYTES",))
@@ -135,8 +139,7 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.max_n < 1 or self.max_prompts < 1:
-            raise ValueError("max_n and max_prompts must be >= 1")
+        self._check_request_bounds()
         if self.max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
         if self.fair_share_slots < 0:
@@ -152,3 +155,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
             raise ValueError("migration_limit and migration_max_positions must be >= 0")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")
+
+    def _check_request_bounds(self) -> None:
+        if self.max_n < 1 or self.max_prompts < 1:
+            raise ValueError("max_n and max_prompts must be >= 1")
+        if self.max_messages < 1 or self.max_images_per_request < 0:
+            raise ValueError("max_messages must be >= 1 and max_images_per_request >= 0")

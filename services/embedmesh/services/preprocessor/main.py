@@ -95,7 +95,9 @@ async def serve(config: PreprocessorConfig) -> None:
              for name, f in config.model_tokenizers}
     models = ServedModels(pool, tokenizer, template, texts=texts)
     domain = InferenceDomain(pool, cache, models, Limits(max_n=config.max_n, max_prompts=config.max_prompts,
-                                                         max_embeds_bytes=config.max_embeds_bytes), router,
+                                                         max_embeds_bytes=config.max_embeds_bytes,
+                                                         max_messages=config.max_messages,
+                                                         max_images=config.max_images_per_request), router,
                              FairShare(config.fair_share_slots), vision_stage(config, cache, folder))
     # The public port: API keys (or the mesh token) for inference; cache statistics are for operators only.
     server.add(inference_pb2_grpc.add_InferenceServiceServicer_to_server,

@@ -55,11 +55,17 @@ from embedmesh.services.router.route_client import Routes
 from embedmesh.vision.stage import ImageSource, VisionStage
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["Limits", "ServedModel", "ServedModels", "CompletionRequest", "ChatPartRequest", "ChatMessageRequest",
+__all__ = ["MAX_MODEL_NAME", "MAX_REQUEST_ID", "Limits", "ServedModel", "ServedModels", "CompletionRequest",
+           "ChatPartRequest", "ChatMessageRequest",
            "ChatRequest", "Choice", "Completion", "Stream", "InferenceDomain"]
 
 
 # --- served models ------------------------------------------------------------------------------------------------
+
+MAX_MODEL_NAME = 256
+"""Longest model name a request may give (the gateway holds names to the same bound); refused before any lookup."""
+MAX_REQUEST_ID = 256
+"""Longest client request id (it is echoed as the response's id)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ class ServedModels:
         """A requested name -> what serves it; refuses a missing, unknown or wrong-task model (naming ``model``)."""
         if not model:
             raise InvalidArgument("model is required", field="model", reason="REQUIRED")
+        if len(model) > MAX_MODEL_NAME:
+            raise InvalidArgument(f"model: a name is at most {MAX_MODEL_NAME} characters, got {len(model)}",
+                                  field="model", reason="TOO_LONG")
         base = self.pool.known_adapter(model) if model not in self.pool.models() else None
         info = self.pool.spec(base if base is not None else model)
         if info.task == worker_pb2.MODEL_TASK_EMBED and task != worker_pb2.MODEL_TASK_EMBED:
@@ -129,6 +138,10 @@ class Limits:
     max_n: int
     max_prompts: int
     max_embeds_bytes: int
+    max_messages: int = 2048
+    """Most messages in one chat request; checked before any message is read."""
+    max_images: int = 16
+    """Most image parts in one chat request; checked before any image is fetched, decoded or encoded."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +271,7 @@ class InferenceDomain:
         return EmbedsResolver(self.cache, model.spec, self.limits.max_embeds_bytes, sampling.max_tokens)
 
     async def completion_job(self, request: CompletionRequest) -> Job:
+        _check_request_id(request.request_id)
         model = self.models.resolve(request.model, worker_pb2.MODEL_TASK_GENERATE)
         sampling = self._sampling(request.sampling, model, echo=request.echo)
         n = self._n(request.n)
@@ -292,7 +306,24 @@ class InferenceDomain:
         rid = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         return Job(rid, request.model, prompts, sampling, n, model.info.dtype, echo=echo, **model.job_fields())
 
+    def _check_chat_size(self, messages: Sequence[ChatMessageRequest]) -> None:
+        """At most ``max_messages`` messages and ``max_images`` image parts: counted before any part is read."""
+        if len(messages) > self.limits.max_messages:
+            raise InvalidArgument(f"messages: at most {self.limits.max_messages} messages per request, got "
+                                  f"{len(messages)}", field="messages", reason="TOO_MANY")
+        seen = 0
+        for i, m in enumerate(messages):
+            for j, part in enumerate(m.parts):
+                if part.image is None:
+                    continue
+                seen += 1
+                if seen > self.limits.max_images:
+                    raise InvalidArgument(f"messages[{i}].content[{j}]: at most {self.limits.max_images} images per "
+                                          "request", field=f"messages[{i}].content[{j}]", reason="TOO_MANY_IMAGES")
+
     async def chat_job(self, request: ChatRequest) -> Job:
+        _check_request_id(request.request_id)
+        self._check_chat_size(request.messages)
         model = self.models.resolve(request.model, worker_pb2.MODEL_TASK_GENERATE)
         sampling = self._sampling(request.sampling, model)
         if sampling.prompt_logprobs is not None:
@@ -426,6 +457,12 @@ class InferenceDomain:
                     dimensions: int | None) -> tuple[np.ndarray, int]:
         """Vectors ``(len(inputs), dim)`` in input order and the prompt tokens over all inputs."""
         return await embed_inputs(self.pool, self.cache, model, inputs, dimensions)
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgument(f"request_id: at most {MAX_REQUEST_ID} characters, got {len(request_id)}",
+                              field="request_id", reason="TOO_LONG")
 
 
 def _charged(u: Usage) -> Usage:

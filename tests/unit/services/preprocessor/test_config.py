@@ -74,6 +74,8 @@ def test_the_preprocessors_own_variable_beats_the_shared_one_and_a_flag_beats_bo
     (["--upload-ttl", "0"], "cache_capacity_bytes must be >= 0 and upload_ttl_seconds >= 1"),
     (["--block-size", "0"], "block_size must be >= 1"),
     (["--max-n", "0"], "max_n and max_prompts must be >= 1"),
+    (["--max-messages", "0"], "max_messages must be >= 1 and max_images_per_request >= 0"),
+    (["--max-images-per-request", "-1"], "max_messages must be >= 1 and max_images_per_request >= 0"),
     (["--max-inflight", "0"], "max_inflight must be >= 1"),
     (["--drain-seconds", "-1"], "drain_seconds must be >= 0"),
     (["--model-tokenizers", "m"], "--model-tokenizers: 'm' is not name=folder"),
