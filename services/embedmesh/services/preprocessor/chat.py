@@ -26,12 +26,19 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.services.preprocessor.prompts import Piece, Prompt, Tokenizer, check_prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
 
-__all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "ROLES"]
+__all__ = ["PLACEHOLDER", "ChatPart", "ChatMessage", "ChatTemplate", "build_chat_prompt", "check_role", "ROLES"]
 
 PLACEHOLDER = "<|prompt_embeds|>"
 """The documented name of an embeddings slot; refused inside text parts."""
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def check_role(i: int, role: str) -> None:
+    """Message ``i``'s role is one the templates render (UNKNOWN_ROLE naming ``messages[i].role``)."""
+    if role not in ROLES:
+        raise InvalidArgument(f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}",
+                              field=f"messages[{i}].role", reason="UNKNOWN_ROLE")
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,7 @@ def build_chat_prompt(
     slots: list[np.ndarray] = []
     rendered_messages: list[dict[str, str]] = []
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise InvalidArgument(f"messages[{i}].role must be one of {list(ROLES)}, got {m.role!r}",
-                                  field=f"messages[{i}].role", reason="UNKNOWN_ROLE")
+        check_role(i, m.role)
         texts: list[str] = []
         for j, part in enumerate(m.parts):
             field = f"messages[{i}].content[{j}]" if len(m.parts) > 1 or part.embeds is not None \

@@ -37,7 +37,7 @@ from embedmesh.core.structured import check_structured
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor import prompt_embeds
-from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt
+from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt, check_role
 from embedmesh.services.preprocessor.embedding_requests import embed_inputs
 from embedmesh.services.preprocessor.fair_share import INTERACTIVE, FairShare
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
@@ -307,12 +307,14 @@ class InferenceDomain:
         return Job(rid, request.model, prompts, sampling, n, model.info.dtype, echo=echo, **model.job_fields())
 
     def _check_chat_size(self, messages: Sequence[ChatMessageRequest]) -> None:
-        """At most ``max_messages`` messages and ``max_images`` image parts: counted before any part is read."""
+        """At most ``max_messages`` messages and ``max_images`` image parts, each role a known one: checked before
+        any part is read (an image fetched, decoded or encoded)."""
         if len(messages) > self.limits.max_messages:
             raise InvalidArgument(f"messages: at most {self.limits.max_messages} messages per request, got "
                                   f"{len(messages)}", field="messages", reason="TOO_MANY")
         seen = 0
         for i, m in enumerate(messages):
+            check_role(i, m.role)
             for j, part in enumerate(m.parts):
                 if part.image is None:
                     continue

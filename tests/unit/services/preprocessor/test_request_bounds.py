@@ -97,3 +97,19 @@ async def test_more_images_than_the_bound_are_refused_before_any_encode(domain: 
     assert sum(e.calls for e in encoders) == 0
     job = await domain.chat_job(ChatRequest("base", _sampling(max_tokens=4), [two, _text("x")]))
     assert job.prompts and sum(e.calls for e in encoders) >= 1
+
+
+async def test_an_unknown_role_is_refused_before_an_earlier_messages_image_is_encoded(domain: InferenceDomain) -> None:
+    encoders: list[CountingEncoder] = []
+
+    def factory(folder: Path) -> CountingEncoder:
+        encoders.append(CountingEncoder(folder))
+        return encoders[-1]
+
+    domain.vision = VisionStage(domain.cache, limits=ImageLimits(), folder_of=lambda model: Path("/m"),
+                                factory=factory)
+    image = ChatMessageRequest("user", [ChatPartRequest(image=url(png(2)))])
+    bad = ChatMessageRequest("r" * 20000, [ChatPartRequest(text="hi")])
+    err = await _refused(domain.chat_job(ChatRequest("base", _sampling(max_tokens=4), [image, bad])))
+    assert (err.field, err.reason) == ("messages[1].role", "UNKNOWN_ROLE")
+    assert sum(e.calls for e in encoders) == 0
