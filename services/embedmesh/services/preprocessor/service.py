@@ -306,12 +306,16 @@ class InferenceDomain:
         rid = request.request_id or f"cmpl-{uuid.uuid4().hex}"
         return Job(rid, request.model, prompts, sampling, n, model.info.dtype, echo=echo, **model.job_fields())
 
+    def check_message_count(self, count: int) -> None:
+        """At most ``max_messages`` messages: the servicer asks before it converts a single one."""
+        if count > self.limits.max_messages:
+            raise InvalidArgument(f"messages: at most {self.limits.max_messages} messages per request, got "
+                                  f"{count}", field="messages", reason="TOO_MANY")
+
     def _check_chat_size(self, messages: Sequence[ChatMessageRequest]) -> None:
         """At most ``max_messages`` messages and ``max_images`` image parts, each role a known one: checked before
         any part is read (an image fetched, decoded or encoded)."""
-        if len(messages) > self.limits.max_messages:
-            raise InvalidArgument(f"messages: at most {self.limits.max_messages} messages per request, got "
-                                  f"{len(messages)}", field="messages", reason="TOO_MANY")
+        self.check_message_count(len(messages))
         seen = 0
         for i, m in enumerate(messages):
             check_role(i, m.role)

@@ -108,20 +108,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 result = await self.domain.complete(_completion_request(header.completion))
                 yield inference_pb2.GenerateResponse(completion=_response(inference_pb2.CompleteResponse, result))
             else:
-                result = await self.domain.chat(_chat_request(header.chat))
+                result = await self.domain.chat(self._chat_request(header.chat))
                 yield inference_pb2.GenerateResponse(chat=_response(inference_pb2.ChatResponse, result))
             return
         if task == "completion":
             stream = await self.domain.stream_complete(_completion_request(header.completion))
             chunk, cls = "completion_chunk", inference_pb2.StreamCompleteResponse
         else:
-            stream = await self.domain.stream_chat(_chat_request(header.chat))
+            stream = await self.domain.stream_chat(self._chat_request(header.chat))
             chunk, cls = "chat_chunk", inference_pb2.StreamChatResponse
         async for item in stream.items:
             if finished is not None:
                 await finished()
                 finished = None
             yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
+
+    def _chat_request(self, params: inference_pb2.ChatParams) -> ChatRequest:
+        """``_chat_request`` once the message count is within the limit (a request of 100,000 messages is refused
+        before any of them is converted)."""
+        self.domain.check_message_count(len(params.messages))
+        return _chat_request(params)
 
     def _generate_scan(self, header: inference_pb2.GenerateHeader) -> pieces.Scan | None:
         """A completion's one big prompt tensor is checked as it arrives and sent on (``_completion_scan``)."""
