@@ -25,8 +25,8 @@ Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo",
             keep-alive connections, responses parsed by httptools), since httpx costs the bench process more CPU
             per request than the bare route itself; the same two REST paths driven by httpx are printed beside them
             as context.
-  stream    64 concurrent streaming clients, max_tokens=256 each: a streamed Generate and SSE (read by ``LightHttp``)
-            vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
+  stream    64 concurrent streaming clients, max_tokens=256 each: a streamed GenerateInline and SSE (read by
+            ``LightHttp``) vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
             tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
             base64 of torch.save (sent by ``LightHttp``; by httpx too, as context) vs L3 / L4 (and L5, L6). MB/s
@@ -611,7 +611,7 @@ async def bench_stream(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
             return counts, time.perf_counter() - t0
 
         paths = {"bare_grpc": ("L1 bare grpc.aio unary_stream relay", bare_grpc_stream),
-                 "mesh_grpc": ("mesh gRPC Generate (stream)", mesh_grpc_stream),
+                 "mesh_grpc": ("mesh gRPC GenerateInline (stream)", mesh_grpc_stream),
                  "bare_sse": ("L2 bare Starlette SSE relay", bare_sse),
                  "mesh_sse": ("mesh REST stream=true (SSE)", mesh_sse)}
         pooled = await rounds({k: (lambda fn=fn: closed_loop(fn)) for k, (_, fn) in paths.items()}, n_rounds)
@@ -797,7 +797,7 @@ async def bench_ingest(mesh: Any, bare_grpc: BareServer, bare_http: BareServer, 
                                                      "Generate pieces"),
         "grpc_one_message_ingest_pct_of_bare_chunked": goal_line(
             "grpc_one_message_ingest_pct_of_bare_chunked", res["mesh_grpc"]["pct_of_limit"], "% of L3",
-            "Generate, one message"),
+            "GenerateInline, one message"),
         "rest_ingest_pct_of_bare_decode": goal_line("rest_ingest_pct_of_bare_decode",
                                                     res["mesh_rest"]["pct_of_limit"], "% of L4"),
     }
