@@ -26,8 +26,8 @@ Sections (the mesh runs the echo engine: "x" x max_tokens at once, model "echo",
             per request than the bare route itself; the same two REST paths driven by httpx are printed beside them
             as context.
   stream    64 concurrent streaming clients, max_tokens=256 each: a streamed GenerateInline and SSE (read by
-            ``LightHttp``) vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE events),
-            tokens/s in total.
+            ``LightHttp``) vs L1's relay of 256 one-token StreamCompleteResponse messages (and L2's relay of 256 SSE
+            events), tokens/s in total.
   ingest    a 64 MiB float32 tensor (29127 x 576) as prompt_embeds, max_tokens=1: gRPC raw Tensor bytes and REST
             base64 of torch.save (sent by ``LightHttp``; by httpx too, as context) vs L3 / L4 (and L5, L6). MB/s
             of tensor bytes, median of the runs. Each payload is built once before timing, so the figures measure
