@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from embedmesh.core import tensors, wire
+from embedmesh.core import tensors, tracebacks, wire
 from embedmesh.core.embeds import check_finite
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.tensor.v1 import tensor_pb2
@@ -93,13 +93,16 @@ class Arrival:
     """A pieces stream whose request has arrived and whose tensors' bytes are read in the background: consumers
     wait for a prefix of a tensor (``wait``) instead of the whole stream, so what the bytes feed (forwarding them
     to a worker) overlaps their arrival. With ``scan``, a tensor's bytes count as arrived only once scanned, so no
-    consumer ever sees bytes that break its rule. The first broken rule ends the arrival: every waiter gets it."""
+    consumer ever sees bytes that break its rule. The first broken rule ends the arrival: every waiter gets it, and
+    the arrival lets go of its buffers and views at once (``_fail``: its error keeps no traceback, whose frames would
+    hold the arrival in a cycle until a full garbage collection)."""
 
     def __init__(self, request: Any, buffers: list[tuple[str, np.ndarray]], itemsizes: list[int],
                  scan: Scan | None) -> None:
         self.request = request
         self.buffers = buffers
         self.views = {path: memoryview(buf) for path, buf in buffers}
+        self._sizes = [buf.size for _, buf in buffers]
         self._itemsizes = itemsizes
         self._scan = scan
         self._ready = [0] * len(buffers)
@@ -122,7 +125,7 @@ class Arrival:
             if self.error is not None:
                 raise self.error
             if self._task is not None and self._task.done():
-                raise ValueError(f"tensor {index} has {self.buffers[index][1].size} bytes, not {n}")
+                raise ValueError(f"tensor {index} has {self._sizes[index]} bytes, not {n}")
             await self._changed.wait()
 
     async def finished(self) -> None:
@@ -141,13 +144,19 @@ class Arrival:
         if self._task is not None:
             self._task.cancel()
 
+    def _fail(self, error: BaseException) -> None:
+        """End the arrival with ``error`` (kept for every waiter, without the frames it passed through) and let go
+        of the buffers: nothing will read them."""
+        self.error = tracebacks.drop(error)
+        self.buffers, self.views = [], {}
+
     def _pulse(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
     def _advance(self, index: int, filled: int) -> None:
         size = self._itemsizes[index]
-        end = filled - filled % size if filled < self.buffers[index][1].size else filled
+        end = filled - filled % size if filled < self._sizes[index] else filled
         if end > self._ready[index]:
             if self._scan is not None:
                 self._scan(index, self.buffers[index][1][self._ready[index]:end])
@@ -157,10 +166,10 @@ class Arrival:
         try:
             await self._place(messages)
         except asyncio.CancelledError:
-            self.error = InvalidArgument("rows: the stream was cancelled", field="rows", reason="INCOMPLETE")
+            self._fail(InvalidArgument("rows: the stream was cancelled", field="rows", reason="INCOMPLETE"))
             raise
         except BaseException as e:  # noqa: BLE001 - kept for every waiter; the owner raises it
-            self.error = e
+            self._fail(e)
         finally:
             self._pulse()
 
@@ -186,10 +195,10 @@ class Arrival:
     @property
     def complete(self) -> bool:
         """Every byte the tensors need has been placed."""
-        while self._slot < len(self.buffers) and self.buffers[self._slot][1].size == self._filled:
+        while self._slot < len(self._sizes) and self._sizes[self._slot] == self._filled:
             self._slot += 1  # empty tensors need no bytes
             self._filled = 0
-        return self._slot == len(self.buffers)
+        return self._slot == len(self._sizes)
 
     def _put(self, piece: memoryview | bytes) -> None:
         """Place ``piece`` after the bytes placed so far (scanned as it lands); TOO_MANY_BYTES past the shapes."""
@@ -212,8 +221,8 @@ class Arrival:
 
     def _check_complete(self) -> None:
         if not self.complete:
-            need = sum(b.size for _, b in self.buffers)
-            got = sum(b.size for _, b in self.buffers[:self._slot]) + self._filled
+            need = sum(self._sizes)
+            got = sum(self._sizes[:self._slot]) + self._filled
             raise InvalidArgument(
                 f"rows: the stream ended after {got} of the {need} bytes the request's tensors need",
                 field="rows", reason="INCOMPLETE")
@@ -227,7 +236,7 @@ class Arrival:
         try:
             self._put(piece)
         except BaseException as e:
-            self.error = e
+            self._fail(e)
             raise
         finally:
             self._pulse()
@@ -238,7 +247,7 @@ class Arrival:
             try:
                 self._check_complete()
             except InvalidArgument as e:
-                self.error = e
+                self._fail(e)
         self._pulse()
 
     async def fed(self) -> None:
@@ -252,9 +261,9 @@ class Arrival:
                 async with asyncio.timeout(IDLE_SECONDS):
                     await changed.wait()
             except TimeoutError:
-                self.error = InvalidArgument(
+                self._fail(InvalidArgument(
                     f"rows: nothing arrived for {IDLE_SECONDS:g} s and the rows are not complete; send every row "
-                    "without pauses", field="rows", reason="IDLE_TIMEOUT")
+                    "without pauses", field="rows", reason="IDLE_TIMEOUT"))
         if self.error is not None:
             raise self.error
 
@@ -344,6 +353,6 @@ def arrival_of(arr: np.ndarray) -> tuple[Arrival, int] | None:
     if not known:
         return None
     found = known.get(arr.ctypes.data)
-    if found is None or arr.nbytes > found[0].buffers[found[1]][1].size or not found[0].scanned:
+    if found is None or arr.nbytes > found[0]._sizes[found[1]] or not found[0].scanned:
         return None
     return found

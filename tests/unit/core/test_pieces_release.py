@@ -58,10 +58,6 @@ def _too_many(rows: int) -> list[Any]:
             inference_pb2.GenerateRequest(rows=bytes(rows * 16 + 4))]
 
 
-@pytest.mark.xfail(strict=True, reason="core/pieces.Arrival keeps the error that ended it (self.error = e in _read, "
-                                       "feed, end, fed); its traceback's frames hold the arrival, a cycle that keeps "
-                                       "every buffer until a full gc (a scratch fix: on error, "
-                                       "self.error = e.with_traceback(None) and the buffers/views dropped)")
 @pytest.mark.parametrize("messages", [_short, _too_many])
 def test_a_refused_stream_frees_its_buffers_without_a_garbage_collection(no_gc: None, messages: Any) -> None:
     async def run() -> weakref.ref[np.ndarray]:
@@ -79,7 +75,6 @@ def test_a_refused_stream_frees_its_buffers_without_a_garbage_collection(no_gc: 
     assert buffer() is None
 
 
-@pytest.mark.xfail(strict=True, reason="as above, for an arrival fed by the worker's GenerateMany (expect/feed/end)")
 def test_an_expect_arrival_ended_short_frees_its_buffers_without_a_garbage_collection(no_gc: None) -> None:
     async def run() -> weakref.ref[np.ndarray]:
         arrival = pieces.expect(_header(1000), _tensors, 1 << 20)

@@ -32,7 +32,7 @@ import asyncio
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from embedmesh.core import pieces
+from embedmesh.core import pieces, tracebacks
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import Observed
@@ -115,6 +115,7 @@ class _Stream:
             for task in list(self.running.values()):
                 task.cancel()
             await asyncio.gather(reader, *self.running.values(), return_exceptions=True)
+            self.failed = None  # (its traceback holds _read's frame, which holds this stream: a cycle)
 
     async def _read(self, frames: AsyncIterator[worker_pb2.GenerateManyRequest]) -> None:
         try:
@@ -142,8 +143,8 @@ class _Stream:
         if arrival is not None:
             try:
                 arrival.feed(data)  # a broken rule ends the arrival: its generation fails with it
-            except EmbedmeshError:
-                pass
+            except EmbedmeshError as e:
+                tracebacks.drop(e)  # the arrival keeps it: this frame (the rows) must not stay in its traceback
             return
         task = self.running.get(gid)
         if task is None:
