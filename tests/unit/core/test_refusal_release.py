@@ -67,3 +67,91 @@ def test_a_refused_call_frees_its_handlers_locals_without_a_garbage_collection()
     alive, after_gc = asyncio.run(run())
     assert after_gc[:4] == [False] * 4  # the control: nothing else keeps them (a collection frees them)
     assert alive[:4] == [False] * 4, alive  # the answered call's, and the first refused calls'
+
+
+KINDS_SERVICE = "embedmesh.test.Kinds"
+
+
+class _Kinds:
+    """One RPC of each kind; each holds 1 MiB in a local and refuses a request (or first message) b"bad"."""
+
+    def __init__(self) -> None:
+        self.held: list[weakref.ref[np.ndarray]] = []
+
+    def _hold(self, request: bytes) -> None:
+        big = np.zeros(1 << 20, np.uint8)
+        self.held.append(weakref.ref(big))
+        if request == b"bad":
+            raise InvalidArgument("request: refused", field="request", reason="BAD")
+
+    async def unary_unary(self, request: bytes, context: Any) -> bytes:
+        self._hold(request)
+        return b"ok"
+
+    async def unary_stream(self, request: bytes, context: Any) -> Any:
+        self._hold(request)
+        yield b"ok"
+
+    async def stream_unary(self, requests: Any, context: Any) -> bytes:
+        async for request in requests:
+            self._hold(request)
+        return b"ok"
+
+    async def stream_stream(self, requests: Any, context: Any) -> Any:
+        async for request in requests:
+            self._hold(request)
+            yield b"ok"
+
+    def register(self, _servicer: Any, server: Any) -> None:
+        same = {"request_deserializer": bytes, "response_serializer": bytes}
+        server.add_registered_method_handlers(KINDS_SERVICE, {
+            "UnaryUnary": grpc.unary_unary_rpc_method_handler(self.unary_unary, **same),
+            "UnaryStream": grpc.unary_stream_rpc_method_handler(self.unary_stream, **same),
+            "StreamUnary": grpc.stream_unary_rpc_method_handler(self.stream_unary, **same),
+            "StreamStream": grpc.stream_stream_rpc_method_handler(self.stream_stream, **same)})
+
+
+async def _call(channel: grpc.aio.Channel, kind: str, body: bytes) -> None:
+    method = f"/{KINDS_SERVICE}/{kind}"
+    if kind == "UnaryUnary":
+        await channel.unary_unary(method)(body)
+    elif kind == "UnaryStream":
+        [_ async for _ in channel.unary_stream(method)(body)]
+    elif kind == "StreamUnary":
+        await channel.stream_unary(method)(iter([body]))
+    else:
+        [_ async for _ in channel.stream_stream(method)(iter([body]))]
+
+
+@pytest.mark.parametrize("kind", ["UnaryUnary", "UnaryStream", "StreamUnary", "StreamStream"])
+def test_every_rpc_kind_frees_a_refused_calls_locals_without_a_garbage_collection(kind: str) -> None:
+    async def run() -> tuple[list[bool], list[bool], grpc.StatusCode, str]:
+        servicer = _Kinds()
+        server = Server("t", ServerOptions(port=0, grace_seconds=0))
+        server.add(servicer.register, servicer, KINDS_SERVICE, access=Access.OPEN)
+        await server.start()
+        await server.set_serving(True)
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                gc.collect()
+                gc.disable()
+                try:
+                    await _call(channel, kind, b"ok")
+                    for _ in range(3):
+                        with pytest.raises(grpc.RpcError) as refused:
+                            await _call(channel, kind, b"bad")
+                    await _call(channel, kind, b"ok")
+                    await asyncio.sleep(0.2)
+                    alive = [r() is not None for r in servicer.held]
+                finally:
+                    gc.enable()
+                gc.collect()
+                error = refused.value
+                return alive, [r() is not None for r in servicer.held], error.code(), error.details()
+        finally:
+            await server._server.stop(0)
+
+    alive, after_gc, code, details = asyncio.run(run())
+    assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "request: refused")  # the refusal still arrives
+    assert after_gc[:4] == [False] * 4  # the control
+    assert alive[:4] == [False] * 4, alive
