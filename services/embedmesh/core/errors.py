@@ -140,7 +140,9 @@ message, percent-encoded as ``grpc-message``; and, base64-encoded in ``grpc-stat
 and the BadRequest description): bounded so, no error reaches gRPC's 8 KiB metadata limit, whatever a client sent."""
 _MAX_FIELD_BYTES = 256
 _MAX_QUOTED = 64
-_QUOTED = re.compile(f"'[^']{{{_MAX_QUOTED + 1},}}'|\"[^\"]{{{_MAX_QUOTED + 1},}}\"")
+_QUOTED = re.compile(f"(?<!\\w)'[^']{{{_MAX_QUOTED + 1},}}'(?!\\w)|(?<!\\w)\"[^\"]{{{_MAX_QUOTED + 1},}}\"(?!\\w)")
+"""A quoted value as ``repr`` writes one: the quote not inside a word, so two apostrophes ("the tensor's ...
+Generate's") never pass for one."""
 
 
 def _cut_quoted(m: re.Match[str]) -> str:

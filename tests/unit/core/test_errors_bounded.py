@@ -9,7 +9,7 @@ import base64
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from embedmesh.core.errors import InvalidArgument, NotFound, from_rpc_error, to_status, to_status_message
+from embedmesh.core.errors import InvalidArgument, NotFound, bounded, from_rpc_error, to_status, to_status_message
 
 METADATA_LIMIT = 8192  # gRPC's default max_metadata_size
 
@@ -60,3 +60,13 @@ def test_a_huge_field_name_is_cut_too_and_the_error_still_round_trips() -> None:
     err = from_rpc_error(grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(),
                                               grpc.aio.Metadata(*status.trailing_metadata), details=status.details))
     assert err.reason == "BAD" and err.field is not None and err.field.startswith("f" * 200)
+
+
+def test_apostrophes_in_the_servers_own_words_are_not_a_quoted_value() -> None:
+    # Two apostrophes more than 64 characters apart ("tensor's" ... "Generate's") are words, not a repr'd value.
+    text = ("prompt_embeds.data: GenerateInline takes every tensor's bytes inline; a tensor without data must be "
+            "sent as rows after the header on Generate's pieces stream")
+    assert bounded(text) == text
+    long = "m" * 300
+    cut = bounded(f"the server's model {long!r} isn't served")
+    assert cut.startswith("the server's model 'mmmm") and cut.endswith("…(300 chars)' isn't served"), cut
