@@ -45,6 +45,7 @@ from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.vision.decode import ImageLimits, data_url_bytes, decode_image
 from embedmesh.vision.fetch import fetch_image, is_http_url
 from embedmesh.vision.metrics import IMAGE_CACHE_HITS, IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
+from embedmesh.vision.pool import EncoderBroken, EncoderPool
 from embedmesh.vision.remote import EncodeServiceClient, RemoteEncoder
 
 __all__ = ["ImageSource", "Encoder", "VisionStage", "ENCODERS", "soft_prompt_encoder", "dinov2_encoder",
@@ -178,11 +179,9 @@ class VisionStage:
         self.hosts = tuple(hosts)
         self.fetch_timeout_seconds = fetch_timeout_seconds
         self.factory = factory or soft_prompt_encoder
-        self._encoders: dict[Path, Encoder] = {}
-        self._loading = asyncio.Lock()
+        self._encoders: EncoderPool[Path, Encoder] = EncoderPool(self.factory, logger=log)
+        """Each folder's encoder; one that failed to load (missing packages, no embedding matrix) refused at once."""
         self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads
-        self._broken: dict[Path, str] = {}
-        """Folders whose encoder failed to load (missing packages, no embedding matrix): refused at once after."""
         self._seen: OrderedDict[bytes, str] = OrderedDict()
         """BLAKE3 of an image file's bytes -> its pixel digest, for files decoded before (LRU, ``_SEEN``)."""
 
@@ -204,21 +203,12 @@ class VisionStage:
         if folder is None:
             raise InvalidArgument(f"{field}: this server has no image encoder for model {model!r}; send text or "
                                   "prompt_embeds parts", field=field, reason="IMAGES_UNSUPPORTED")
-        enc = self._encoders.get(folder)
-        if enc is None:
-            async with self._loading:
-                enc = self._encoders.get(folder)
-                if enc is None and folder not in self._broken:
-                    try:
-                        enc = await asyncio.to_thread(self.factory, folder)
-                        self._encoders[folder] = enc
-                    except (ImportError, RuntimeError, OSError, ValueError) as e:
-                        log.warning("image encoder failed to load", extra={"folder": str(folder), "error": str(e)})
-                        self._broken[folder] = str(e)
-        if enc is None:
+        try:
+            enc = await self._encoders.get(folder)
+        except EncoderBroken as e:
             raise FailedPrecondition(f"{field}: the image encoder for model {model!r} is not available on this "
-                                     f"server ({self._broken.get(folder, 'not loaded')}); send text or "
-                                     "prompt_embeds parts", field=field, reason="ENCODER_UNAVAILABLE")
+                                     f"server ({e.why}); send text or prompt_embeds parts", field=field,
+                                     reason="ENCODER_UNAVAILABLE") from None
         if enc.hidden_size != spec.hidden_size:
             raise InvalidArgument(f"{field}: the image encoder gives rows of {enc.hidden_size} values, model "
                                   f"{model!r} takes {spec.hidden_size}", field=field, reason="IMAGES_UNSUPPORTED")

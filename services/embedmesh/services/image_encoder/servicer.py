@@ -28,6 +28,7 @@ from embedmesh.imageencoder.v1 import imageencoder_pb2, imageencoder_pb2_grpc
 from embedmesh.services.image_encoder.config import MAX_SIDE
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.vision.metrics import IMAGE_ENCODE_SECONDS, IMAGE_ENCODES
+from embedmesh.vision.pool import EncoderBroken, EncoderPool
 from embedmesh.vision.stage import ROWS_PER_IMAGE, Encoder, encoder_digest
 
 __all__ = ["ImageEncoders", "ImageEncoderServicer", "SERVICE_NAME", "check_pixels", "check_model"]
@@ -84,10 +85,8 @@ class ImageEncoders:
         self.models = models
         self.encodes = 0
         self.queued = 0
-        self._encoders: dict[Path, Encoder] = {}
-        self._broken: dict[Path, str] = {}
-        """Folders whose encoder failed to load: refused at once after (restart the service to try again)."""
-        self._loading = asyncio.Lock()
+        self._encoders: EncoderPool[Path, Encoder] = EncoderPool(factory, logger=log)
+        """Each folder's encoder; one that failed to load is refused at once after (restart the service to retry)."""
         self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads
 
     async def encoder_for(self, model: str, field: str = "model") -> Encoder:
@@ -96,22 +95,11 @@ class ImageEncoders:
             raise InvalidArgument(f"{field}: this service encodes for no model {model!r} (its --model-tokenizers: "
                                   f"{', '.join(self.models) or 'none'}, and no --tokenizer for others)",
                                   field=field, reason="UNKNOWN_MODEL")
-        enc = self._encoders.get(folder)
-        if enc is None:
-            async with self._loading:
-                enc = self._encoders.get(folder)
-                if enc is None and folder not in self._broken:
-                    try:
-                        enc = await asyncio.to_thread(self.factory, folder)
-                        self._encoders[folder] = enc
-                    except (ImportError, RuntimeError, OSError, ValueError) as e:
-                        log.warning("image encoder failed to load", extra={"folder": str(folder), "error": str(e)})
-                        self._broken[folder] = str(e)
-        if enc is None:
+        try:
+            return await self._encoders.get(folder)
+        except EncoderBroken as e:
             raise FailedPrecondition(f"{field}: the image encoder {self.name} for model {model!r} cannot load "
-                                     f"({self._broken.get(folder, 'not loaded')})", field=field,
-                                     reason="ENCODER_UNAVAILABLE")
-        return enc
+                                     f"({e.why})", field=field, reason="ENCODER_UNAVAILABLE") from None
 
     async def encode(self, model: str, pixels: np.ndarray, digest: str) -> tuple[np.ndarray, str, float]:
         """``(rows, encoder digest, seconds)``; refused at once when the queue is full."""
