@@ -58,39 +58,20 @@ stream; the worker is draining, so the pipeline retries it elsewhere without cou
 _CANCELLED = rpc_error(grpc.StatusCode.CANCELLED, "cancelled")
 
 
-class Generation:
-    """One generation on a ``WorkerStream``; iterated and cancelled like a ``Generate`` call."""
+class _Results:
+    """One generation's results as they arrive, iterated and cancelled like a ``Generate`` call: its responses queued,
+    then its end (``StopAsyncIteration``) or its error (raised as a ``grpc.aio.AioRpcError``). Subclasses differ in
+    how the next message comes (``_more``) and in how a cancel reaches the worker (``_stop``)."""
 
-    def __init__(self, session: _Session, gid: int) -> None:
-        self._session = session
+    def __init__(self, gid: int) -> None:
         self._gid = gid
         self._queue: collections.deque[worker_pb2.GenerateResponse] = collections.deque()
-        self._event = asyncio.Event()
         self._done = False
         self._error: grpc.aio.AioRpcError | None = None
         self.answered = False
         """The worker answered something for this generation (it had started on it)."""
 
-    def _deliver(self, result: worker_pb2.GenerateResult) -> None:
-        self.answered = True
-        kind = result.WhichOneof("result")
-        if kind == "response":
-            self._queue.append(result.response)
-            self._event.set()
-        elif kind == "error":
-            self._end(rpc_error_from_status(result.error))
-        elif kind == "end":
-            self._end(None)
-
-    def _end(self, error: grpc.aio.AioRpcError | None) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._error = error
-        self._session.sinks.pop(self._gid, None)
-        self._event.set()
-
-    def __aiter__(self) -> Generation:
+    def __aiter__(self) -> _Results:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
@@ -101,14 +82,66 @@ class Generation:
                 if self._error is None:
                     raise StopAsyncIteration
                 raise self._error
-            self._event.clear()
-            await self._event.wait()
+            await self._more()
+
+    async def _more(self) -> None:
+        """Wait until a result of this generation was delivered (or it ended)."""
+        raise NotImplementedError
+
+    def _deliver(self, result: worker_pb2.GenerateResult) -> None:
+        self.answered = True
+        kind = result.WhichOneof("result")
+        if kind == "response":
+            self._queue.append(result.response)
+            self._wake()
+        elif kind == "error":
+            self._end(rpc_error_from_status(result.error))
+        elif kind == "end":
+            self._end(None)
+
+    def _end(self, error: grpc.aio.AioRpcError | None) -> None:
+        """The generation's last result: its end (None) or its error; only the first counts."""
+        if self._done:
+            return
+        self._done = True
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        """Something was delivered (a waiting ``_more`` may return)."""
 
     def cancel(self) -> bool:
         """Stop the generation (no-op once it ended)."""
         if self._done:
             return False
         self._end(_CANCELLED)
+        return self._stop()
+
+    def _stop(self) -> bool:
+        """Tell the worker the generation was cancelled."""
+        raise NotImplementedError
+
+
+class Generation(_Results):
+    """One generation on a ``WorkerStream``: its results are delivered by the stream's reader task."""
+
+    def __init__(self, session: _Session, gid: int) -> None:
+        super().__init__(gid)
+        self._session = session
+        self._event = asyncio.Event()
+
+    async def _more(self) -> None:
+        self._event.clear()
+        await self._event.wait()
+
+    def _wake(self) -> None:
+        self._event.set()
+
+    def _end(self, error: grpc.aio.AioRpcError | None) -> None:
+        super()._end(error)
+        self._session.sinks.pop(self._gid, None)
+
+    def _stop(self) -> bool:
         self._session.send(worker_pb2.GenerateFrame(id=self._gid, cancel=worker_pb2.CancelGeneration())
                            .SerializeToString())
         return True
@@ -153,52 +186,30 @@ class _Session:
         self._mux.close()
 
 
-class OwnGeneration:
+class OwnGeneration(_Results):
     """One generation on a GenerateMany call of its own (``messages``: its start frame, then any rows frames, with
-    id ``worker_chunks.OWN_ID``); iterated and cancelled like a ``Generation``. After the generation's end the call
-    is read to its end (the worker ends it once the request stream is closed and nothing runs); after its error the
-    call is cancelled (rows may still be on their way)."""
+    id ``worker_chunks.OWN_ID``); iterated and cancelled like a ``Generation``, its results read from the call by the
+    iterating caller. After the generation's end the call is read to its end (the worker ends it once the request
+    stream is closed and nothing runs); after its error the call is cancelled (rows may still be on their way)."""
 
     def __init__(self, call: Any, gid: int) -> None:
+        super().__init__(gid)
         self._call = call
-        self._gid = gid
         self._it: Any = None
-        self._queue: collections.deque[worker_pb2.GenerateResponse] = collections.deque()
-        self._done = False
-        self._error: grpc.aio.AioRpcError | None = None
 
-    def __aiter__(self) -> OwnGeneration:
-        return self
-
-    async def __anext__(self) -> worker_pb2.GenerateResponse:
-        while True:
-            if self._queue:
-                return self._queue.popleft()
-            if self._done:
-                if self._error is None:
-                    raise StopAsyncIteration
-                raise self._error
-            if self._it is None:
-                self._it = self._call.__aiter__()
-            try:
-                message = await self._it.__anext__()
-            except StopAsyncIteration:
-                self._done, self._error = True, _ENDED  # ended before its generation did: the worker drains
-                continue
-            for result in message.results:
-                if result.id == self._gid:
-                    self._deliver(result)
-            if self._done:
-                await self._finish()
-
-    def _deliver(self, result: worker_pb2.GenerateResult) -> None:
-        kind = result.WhichOneof("result")
-        if kind == "response":
-            self._queue.append(result.response)
-        elif kind == "error":
-            self._done, self._error = True, rpc_error_from_status(result.error)
-        elif kind == "end":
-            self._done = True
+    async def _more(self) -> None:
+        if self._it is None:
+            self._it = self._call.__aiter__()
+        try:
+            message = await self._it.__anext__()
+        except StopAsyncIteration:
+            self._end(_ENDED)  # ended before its generation did: the worker drains
+            return
+        for result in message.results:
+            if result.id == self._gid:
+                self._deliver(result)
+        if self._done:
+            await self._finish()
 
     async def _finish(self) -> None:
         if self._error is not None:
@@ -210,10 +221,7 @@ class OwnGeneration:
         except grpc.aio.AioRpcError:
             pass  # the generation ended normally; how the call ended after it does not matter
 
-    def cancel(self) -> bool:
-        if self._done:
-            return False
-        self._done, self._error = True, _CANCELLED
+    def _stop(self) -> bool:
         return bool(self._call.cancel())
 
 
