@@ -9,13 +9,15 @@ cache key from the pixels and the encoder's identity, and validates the answered
     Encode(model, pixels,       on a cache miss: the decoded RGB pixels as a UINT8 Tensor; the digest makes a
            encoder_digest)      replica running other weights refuse instead of answering rows for another key
 
-Addresses are taken round robin; a replica that is down, overloaded (RESOURCE_EXHAUSTED) or past the deadline is
-skipped for the next one, each tried at most once per image. When none answers the image part is refused with
-UNAVAILABLE ``ENCODER_UNAVAILABLE`` naming the encoder and its addresses (HTTP 503), never INTERNAL.
+Addresses are taken round robin; a replica that is down, overloaded (RESOURCE_EXHAUSTED), past the deadline or not
+connected within ``CONNECT_TIMEOUT_SECONDS`` is skipped for the next one, each tried at most once per image. When
+none answers the image part is refused with UNAVAILABLE ``ENCODER_UNAVAILABLE`` naming the encoder and its addresses
+(HTTP 503), never INTERNAL.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,12 +30,18 @@ from embedmesh.core.tensors import from_numpy
 from embedmesh.imageencoder.v1 import imageencoder_pb2, imageencoder_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["RemoteEncoder", "EncodeServiceClient", "DESCRIBE_TIMEOUT_SECONDS", "ENCODE_TIMEOUT_SECONDS"]
+__all__ = ["RemoteEncoder", "EncodeServiceClient", "DESCRIBE_TIMEOUT_SECONDS", "ENCODE_TIMEOUT_SECONDS",
+           "CONNECT_TIMEOUT_SECONDS"]
 
 DESCRIBE_TIMEOUT_SECONDS = 120.0
 """GetInfo for a model builds its encoder on the service's first use (seconds; DINOv2's first conversion longer)."""
 ENCODE_TIMEOUT_SECONDS = 120.0
 """One Encode, queueing included (a replica that has not built the model's encoder yet builds it first)."""
+CONNECT_TIMEOUT_SECONDS = 3.0
+"""How long a call waits for a replica's connection before trying the next replica. A replica whose port accepts
+TCP but never speaks gRPC (hung, or not a gRPC server) would otherwise hold the call for gRPC's own connect timeout
+(about 20 s, until the server's HTTP/2 SETTINGS frame fails to come) before it is skipped; a live replica connects
+in milliseconds, even through TLS. A replica that refuses the connection is skipped at once, as before."""
 _SKIP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 """Answers after which the next address is tried: down, draining, overloaded, too slow."""
 
@@ -82,6 +90,9 @@ class EncodeServiceClient:
         is the caller's to word (re-raised as the service's error)."""
         why = "no address answered"
         for i in self._order():
+            if not await self._connected(i):
+                why = f"{self.addresses[i]}: not connected within {CONNECT_TIMEOUT_SECONDS:g} s"
+                continue
             try:
                 return await getattr(self._stubs[i], method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
@@ -89,6 +100,27 @@ class EncodeServiceClient:
                     raise
                 why = f"{self.addresses[i]}: {e.code().name} {e.details() or ''}".strip()
         raise self.unavailable(field, why)
+
+    async def _connected(self, i: int) -> bool:
+        """False when replica ``i``'s channel is still connecting after ``CONNECT_TIMEOUT_SECONDS``; True once it is
+        ready, or failed (its call then fails at once and is skipped as UNAVAILABLE)."""
+        channel = self._channels[i]
+        waiting = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
+        state = channel.get_state(try_to_connect=True)
+        if state not in waiting:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CONNECT_TIMEOUT_SECONDS
+        while state in waiting:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                return False
+            state = channel.get_state(try_to_connect=True)
+        return True
 
     async def describe(self, model: str, field: str) -> RemoteEncoder:
         """The encoder the service runs for ``model`` (built there first if needed)."""

@@ -4,10 +4,13 @@ UNAVAILABLE naming the encoder, and rows that break a prompt_embeds rule (a lyin
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import socket
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +23,9 @@ from embedmesh.core.server import Server, ServerOptions
 from embedmesh.core.tensors import from_numpy
 from embedmesh.imageencoder.v1 import imageencoder_pb2, imageencoder_pb2_grpc
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
-from embedmesh.services.image_encoder.servicer import SERVICE_NAME
+from embedmesh.services.image_encoder.servicer import SERVICE_NAME, ImageEncoders, ImageEncoderServicer
 from embedmesh.tensor.v1 import tensor_pb2
+from embedmesh.vision import remote
 from embedmesh.vision.decode import ImageLimits
 from embedmesh.vision.remote import EncodeServiceClient
 from embedmesh.vision.stage import ImageSource, VisionStage, encoder_digest
@@ -217,3 +221,76 @@ async def test_an_overloaded_replica_is_skipped_for_the_next_and_all_overloaded_
     finally:
         await s.remote.close()  # type: ignore[union-attr]
         await servers[0].drain()
+
+
+class HungPort:
+    """A plain asyncio server: accepts every connection and never answers a byte (a replica hung before gRPC)."""
+
+    async def __aenter__(self) -> HungPort:
+        self.accepted: list[asyncio.StreamWriter] = []
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.accepted.append(writer)
+
+        self.server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        for w in self.accepted:
+            w.close()
+
+
+class MeanEncoder:
+    """Rows from the pixels' channel means (the real service's encoder without the tower)."""
+
+    name = "counting"
+    hidden_size = HIDDEN
+
+    def __init__(self, folder: Path) -> None:
+        self.identity = f"mean:{folder}"
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        mean = pixels.reshape(-1, 3).mean(axis=0) / 255.0
+        return np.tile(np.concatenate([mean, mean, mean[:2]]), (2, 1)).astype(np.float32)
+
+
+async def test_a_replica_that_accepts_but_never_answers_is_skipped_for_a_working_one() -> None:
+    """The hung port comes first in the round robin for GetInfo, then for the second image's Encode: each call goes
+    on to the working replica (the real ImageEncoderService) once the hung one did not connect in the bound, not
+    after gRPC's own ~20 s connect timeout."""
+    encoders = ImageEncoders("counting", MeanEncoder, {"m": Path("/models/m")}.get, max_pixels=64 * 64, max_queue=4,
+                             models=("m",))
+    server = Server("image-encoder", ServerOptions(port=0, grace_seconds=0.2))
+    server.add(imageencoder_pb2_grpc.add_ImageEncoderServiceServicer_to_server, ImageEncoderServicer(encoders),
+               SERVICE_NAME)
+    await server.start()
+    async with HungPort() as hung:
+        s = stage(hung.address, server.address)
+        try:
+            started = time.monotonic()
+            first = await rows(s, png(1))
+            second = await rows(s, png(2))
+            elapsed = time.monotonic() - started
+        finally:
+            await s.remote.close()  # type: ignore[union-attr]
+            await server.drain()
+    assert hung.accepted, "the hung replica was never tried"
+    assert encoders.encodes == 2 and first.shape == second.shape == (2, HIDDEN)
+    assert not np.array_equal(first, second)
+    assert elapsed < 15, f"{elapsed:.1f} s: a hung replica held a call for gRPC's connect timeout (~20 s)"
+
+
+async def test_only_hung_replicas_is_unavailable_naming_them_and_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "CONNECT_TIMEOUT_SECONDS", 0.3)
+    async with HungPort() as a, HungPort() as b:
+        s = stage(a.address, b.address)
+        try:
+            with pytest.raises(Unavailable) as e:
+                await rows(s, png(3))
+        finally:
+            await s.remote.close()  # type: ignore[union-attr]
+        assert a.accepted and b.accepted
+    assert e.value.reason == "ENCODER_UNAVAILABLE" and e.value.field == FIELD
+    assert a.address in str(e.value) and f"{b.address}: not connected within 0.3 s" in str(e.value)
