@@ -188,7 +188,8 @@ def routes(gw: Gateway) -> list[Route]:
     """The completion routes, bound to the gateway's channel."""
 
     async def generate(request: Request, chat: bool) -> Response:
-        body = await gw.read_json(request, chat_slots if chat else completion_slots)
+        body = await gw.read_json(request, chat_slots if chat else completion_slots,
+                                  gw.bounds.chat if chat else gw.bounds.completion)
         blobs: list[bytes] = []
         params = chat_params(body, blobs) if chat else completion_params(body, blobs)
         stream = bool(body.get("stream"))

@@ -59,6 +59,10 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
     """Most requests in one batch input file (>= 1)."""
     max_body_bytes: int = 1 << 30
     """Largest request body accepted, in bytes (413 above it); at least 1 KiB."""
+    max_messages: int = 2048
+    """Most messages in one chat request, and input items in one ``/v1/responses`` request (with the stored
+    conversation it continues): more is a 400 naming ``messages`` / ``input``, before any is converted
+    (``body_bounds.py`` lists the other list bounds). The preprocessor's ``--max-messages`` has the same default."""
     request_timeout_seconds: float = option(600.0, flags=("--request-timeout",),
                                             aliases=("EMBEDMESH_GATEWAY_REQUEST_TIMEOUT",))
     """Deadline of each completion/embedding gRPC call, in seconds (> 0); a stream must end within it."""
@@ -104,6 +108,8 @@ class GatewayConfig(Settings, service="gateway", prog="python -m embedmesh.gatew
             raise ValueError("preprocessor address is required (host:port)")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_messages < 1:
+            raise ValueError(f"max_messages must be >= 1, got {self.max_messages}")
         if self.pieces_min_bytes < 0:
             raise ValueError(f"pieces_min_bytes must be >= 0, got {self.pieces_min_bytes}")
         if self.max_inflight < 0:

@@ -4,6 +4,7 @@ modules, with no cycle between them. Every route module exposes ``routes(gw: Gat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from embedmesh.core import fastpath
 from embedmesh.gateway import embeds_json
 from embedmesh.gateway.auth import forwarding_channel
+from embedmesh.gateway.body_bounds import Bounds
 from embedmesh.gateway.config import GatewayConfig
 from embedmesh.gateway.errors import ApiError
 from embedmesh.gateway.translate import require_object
@@ -30,6 +32,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.bounds = Bounds(config.max_messages)
+        """How many items a body's lists may hold (``body_bounds``): a route passes its check to ``read_json``."""
         self.channel: grpc.aio.Channel = None  # type: ignore[assignment]  # set by open()
         self.stub: inference_pb2_grpc.InferenceServiceStub = None  # type: ignore[assignment]
         self.health: health_pb2_grpc.HealthStub = None  # type: ignore[assignment]
@@ -43,9 +47,11 @@ class Gateway:
         if self.channel is not None:
             await self.channel.close()
 
-    async def read_json(self, request: Request, base64_slots: embeds_json.Slots | None = None) -> dict[str, Any]:
+    async def read_json(self, request: Request, base64_slots: embeds_json.Slots | None = None,
+                        bounded: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """The body as a JSON object; 413 past ``max_body_bytes`` (checked while reading, not after), 400 if not
-        a JSON object. With ``base64_slots``, long base64 strings there come already decoded (``embeds_json``)."""
+        a JSON object. With ``base64_slots``, long base64 strings there come already decoded (``embeds_json``).
+        ``bounded`` (one of ``self.bounds``' checks) sees the parsed body before anything walks its lists."""
         limit = self.config.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -64,13 +70,24 @@ class Gateway:
         raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
         if base64_slots is not None and fastpath.enabled():
-            body = embeds_json.loads(raw, base64_slots)
+            body = embeds_json.loads(raw, base64_slots if bounded is None else _bounded(base64_slots, bounded))
             if body is not None:
                 return require_object(body)
         try:
-            return require_object(orjson.loads(raw))
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if bounded is not None:
+            bounded(body)
+        return require_object(body)
+
+
+def _bounded(slots: embeds_json.Slots, bounded: Callable[[Any], None]) -> embeds_json.Slots:
+    """``slots`` that first has ``bounded`` check the body: the fast reader walks no list before it is counted."""
+    def walk(body: Any) -> Iterator[tuple[Any, Any]]:
+        bounded(body)
+        yield from slots(body)
+    return walk
 
 
 def too_large(limit: int) -> ApiError:

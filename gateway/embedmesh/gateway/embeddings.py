@@ -40,7 +40,7 @@ def embed_request(body: dict[str, Any]) -> tuple[inference_pb2.EmbedRequest, str
 def routes(gateway: Gateway) -> list[Route]:
     """The route, bound to the gateway's preprocessor stub, JSON reader and timeout."""
     async def create(request: Request) -> Response:
-        body = await gateway.read_json(request)
+        body = await gateway.read_json(request, bounded=gateway.bounds.embeddings)
         req, fmt = embed_request(body)
         try:
             resp = await gateway.stub.Embed(req, timeout=gateway.config.request_timeout_seconds)

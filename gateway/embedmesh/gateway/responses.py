@@ -175,7 +175,7 @@ class _Responses:
     # --- create --------------------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
         tenant = _tenant(request)
-        body = await self.gw.read_json(request, responses_slots)
+        body = await self.gw.read_json(request, responses_slots, self.gw.bounds.responses)
         r = parse(ResponsesRequest, body)
         history: list[dict[str, Any]] = []
         if r.previous_response_id is not None:
@@ -185,6 +185,7 @@ class _Responses:
                                                           "completed or incomplete response can be continued")
             history = prev.history
         chat, new_messages, origins = to_chat(r, body["input"], history)
+        self.gw.bounds.conversation(len(chat["messages"]), len(new_messages))
         blobs: list[bytes] = []
         try:
             params = chat_params(chat, blobs)
