@@ -75,11 +75,26 @@ def mesh_routes(gw: Gateway) -> list[Route]:
         ]})
 
     vs_health: list[health_pb2_grpc.HealthStub] = []
+    asking: list[asyncio.Task[tuple[dict[str, Any], int]]] = []
+    """The mesh's health being asked now, shared by every /health request that arrives meanwhile."""
 
     async def health(request: Request) -> Response:
         """Every service of the mesh (gateway, preprocessor, workers, routers, vector store), each ``serving``,
         ``degraded`` or ``down``; 200 while the inference path works (the preprocessor serves), else 503.
-        ``status`` is ``ok`` when everything serves, ``degraded`` when inference works with something missing."""
+        ``status`` is ``ok`` when everything serves, ``degraded`` when inference works with something missing.
+
+        /health is open (probes carry no key): requests that arrive while the mesh is being asked share that one
+        round of calls (each answer comes from a round under way when its request arrived, never a remembered
+        one), so any number of callers cost the mesh at most one
+        round in flight, not one per request."""
+        if not asking:
+            task = asyncio.ensure_future(_mesh_view())
+            asking.append(task)
+            task.add_done_callback(lambda _: asking.remove(task))
+        body, status = await asyncio.shield(asking[0])  # a caller that leaves does not cancel the others' answer
+        return _json(body, status)
+
+    async def _mesh_view() -> tuple[dict[str, Any], int]:
         if gw.config.vector_store and not vs_health:
             vs_health.append(health_pb2_grpc.HealthStub(forwarding_channel(gw.config.vector_store)))
         services: list[dict[str, str]] = [{"service": "gateway", "name": "gateway", "status": "serving"}]
@@ -92,9 +107,9 @@ def mesh_routes(gw: Gateway) -> list[Route]:
         if vs is not None:
             services.append(vs)
         if pre["status"] == "down":
-            return _json({"status": "unavailable", "detail": pre.get("detail", ""), "services": services}, 503)
+            return {"status": "unavailable", "detail": pre.get("detail", ""), "services": services}, 503
         degraded = any(s["status"] != "serving" for s in services)
-        return _json({"status": "degraded" if degraded else "ok", "services": services})
+        return {"status": "degraded" if degraded else "ok", "services": services}, 200
 
     return [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
 
