@@ -24,6 +24,10 @@ embeddings ``input`` (list of         ``MAX_EMBED_INPUTS``        OpenAI's cap, 
 strings or token-id lists)            (2048)
 responses ``metadata`` (keys)         ``MAX_METADATA`` (16)       OpenAI's limit; it is stored with the response
 responses ``include``                 ``MAX_INCLUDE`` (16)        a handful of names exist
+vector stores ``file_ids``, ``files``  ``MAX_FILES`` (500)        OpenAI's limit on a file batch
+vector store search ``query`` (list)  ``MAX_QUERIES`` (16)        the vector store's own rule
+vector stores ``metadata``,           16 keys                     the vector store's own rule
+``attributes`` (keys)
 ====================================  ==========================  ===============================================
 
 A list of token ids (one prompt, one embedding input) is one item: its length is the preprocessor's rule (the
@@ -39,7 +43,8 @@ from typing import Any
 from embedmesh.core.sampling import MAX_LOGIT_BIAS, MAX_STOP
 from embedmesh.gateway.errors import ApiError, bad_request
 
-__all__ = ["Bounds", "MAX_PARTS", "MAX_TOOLS", "MAX_PROMPTS", "MAX_EMBED_INPUTS", "MAX_METADATA", "MAX_INCLUDE"]
+__all__ = ["Bounds", "MAX_PARTS", "MAX_TOOLS", "MAX_PROMPTS", "MAX_EMBED_INPUTS", "MAX_METADATA", "MAX_INCLUDE",
+           "MAX_FILES", "MAX_QUERIES"]
 
 MAX_PARTS = 8192
 """Content parts across all of a chat request's messages."""
@@ -48,6 +53,8 @@ MAX_PROMPTS = 2048
 MAX_EMBED_INPUTS = 2048
 MAX_METADATA = 16
 MAX_INCLUDE = 16
+MAX_FILES = 500
+MAX_QUERIES = 16
 
 
 def _too_many(param: str, bound: int, got: int, what: str) -> ApiError:
@@ -123,6 +130,16 @@ class Bounds:
         _sampling(body)
         _count(body, "metadata", MAX_METADATA, "keys", dict)
         _count(body, "include", MAX_INCLUDE, "names")
+
+    def vector_store(self, body: Any) -> None:
+        """A vector store body (create, file batch, search): per file, query and key the gateway converts."""
+        if not isinstance(body, dict):
+            return
+        _count(body, "file_ids", MAX_FILES, "file ids")
+        _count(body, "files", MAX_FILES, "files")
+        _count(body, "query", MAX_QUERIES, "queries")
+        _count(body, "metadata", MAX_METADATA, "keys", dict)
+        _count(body, "attributes", MAX_METADATA, "keys", dict)
 
     def conversation(self, messages: int, new: int) -> None:
         """A /v1/responses turn: the chat messages it makes (``messages``, stored history and instructions

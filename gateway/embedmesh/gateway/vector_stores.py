@@ -24,7 +24,7 @@ from embedmesh.gateway.errors import bad_request
 from embedmesh.gateway.paging import list_json, page_request
 from embedmesh.gateway.requests import Model, Refusal, Say, parse, parse_item
 from embedmesh.gateway.vector_store_client import VectorStoreClient, json_response
-from embedmesh.services.vector_store.filters import check_json_limits
+from embedmesh.services.vector_store.filters import MAX_ATTRIBUTES, check_json_limits
 from embedmesh.vectorstore.v1 import vectorstore_pb2 as pb
 
 __all__ = ["routes", "VectorStoreClient", "page_request", "list_json", "json_response"]
@@ -75,7 +75,10 @@ def _scalar(v: Any, field: str) -> pb.AttributeValue:
 def _attributes(v: Any, field: str = "attributes") -> dict[str, pb.AttributeValue]:
     if v is None:
         return {}
-    return {str(k): _scalar(x, f"{field}.{k}") for k, x in _object(v, field).items()}
+    values = _object(v, field)
+    if len(values) > MAX_ATTRIBUTES:  # counted before any is converted
+        raise Refusal(field, f"may hold at most {MAX_ATTRIBUTES} keys (got {len(values)})", "too_many")
+    return {str(k): _scalar(x, f"{field}.{k}") for k, x in values.items()}
 
 
 def _check_attributes(obj: Any) -> None:
@@ -124,6 +127,8 @@ Expires = Annotated[ExpiresAfter, Say("must be an object", "invalid_type")]
 
 def _metadata(v: Any) -> dict[str, str]:
     values = _object(v, "metadata")
+    if len(values) > MAX_ATTRIBUTES:  # the same bound as the vector store's, counted before any is read
+        raise Refusal("metadata", f"may hold at most {MAX_ATTRIBUTES} keys (got {len(values)})", "too_many")
     for k, x in values.items():
         if not isinstance(x, str):
             raise Refusal(f"metadata.{k}", "values must be strings", "invalid_type")
@@ -333,7 +338,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
     vs = client or VectorStoreClient(gateway)
 
     async def create(request: Request) -> Response:
-        b = parse(CreateStore, await gateway.read_json(request))
+        b = parse(CreateStore, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         req = pb.CreateVectorStoreRequest(file_ids=b.file_ids or [], metadata=b.metadata or {})
         if b.name is not None:
             req.name = b.name
@@ -352,7 +357,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(store_json(r.vector_store))
 
     async def modify(request: Request) -> Response:
-        b = parse(ModifyStore, await gateway.read_json(request))
+        b = parse(ModifyStore, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         req = pb.UpdateVectorStoreRequest(vector_store_id=request.path_params["id"])
         if b.name is not None:
             req.name = b.name
@@ -370,7 +375,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response({"id": r.id, "object": "vector_store.deleted", "deleted": r.deleted})
 
     async def add_file(request: Request) -> Response:
-        b = parse(AddFile, await gateway.read_json(request))
+        b = parse(AddFile, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         req = pb.CreateVectorStoreFileRequest(vector_store_id=request.path_params["id"], file_id=b.file_id,
                                               attributes=b.attributes)
         if b.chunking_strategy is not None:
@@ -388,7 +393,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(store_file_json(r.file))
 
     async def update_file(request: Request) -> Response:
-        b = parse(UpdateFile, await gateway.read_json(request))
+        b = parse(UpdateFile, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         r = await vs.call("UpdateVectorStoreFile", pb.UpdateVectorStoreFileRequest(
             vector_store_id=request.path_params["id"], file_id=request.path_params["file_id"],
             attributes=b.attributes))
@@ -400,7 +405,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response({"id": r.id, "object": "vector_store.file.deleted", "deleted": r.deleted})
 
     async def create_batch(request: Request) -> Response:
-        b = parse(CreateBatch, await gateway.read_json(request))
+        b = parse(CreateBatch, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         req = pb.CreateVectorStoreFileBatchRequest(vector_store_id=request.path_params["id"],
                                                    file_ids=b.file_ids or [], attributes=b.attributes)
         if b.chunking_strategy is not None:
@@ -429,7 +434,7 @@ def routes(gateway: Gateway, client: VectorStoreClient | None = None) -> list[Ro
         return json_response(list_json([store_file_json(f) for f in r.data], r.page))
 
     async def search(request: Request) -> Response:
-        b = parse(Search, await gateway.read_json(request))
+        b = parse(Search, await gateway.read_json(request, bounded=gateway.bounds.vector_store))
         query = b.query
         req = pb.SearchVectorStoreRequest(vector_store_id=request.path_params["id"],
                                           queries=[query] if isinstance(query, str) else query,

@@ -212,3 +212,43 @@ def test_responses_lists(gw: Harness, small: str, monkeypatch: pytest.MonkeyPatc
     error = r.json()["error"]
     assert error["param"] == field and error["code"] == "too_many" and rule in error["message"]
     assert spy.calls == 0 and gw.fake.requests == []
+
+
+@pytest.fixture(scope="module")
+def vs_url(harness: Harness) -> str:
+    """A gateway serving the vector store routes, its vector store unreachable: a body let through gets 503."""
+    return harness.run(harness._serve(GatewayConfig(port=0, preprocessor=harness.grpc.address,
+                                                    vector_store="127.0.0.1:1")))
+
+
+@pytest.mark.parametrize(("path", "body", "param", "rule"), [
+    ("/v1/vector_stores", {"file_ids": ["file-x"] * 501}, "file_ids", "at most 500 file ids"),
+    ("/v1/vector_stores", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 keys"),
+    ("/v1/vector_stores/vs_1/file_batches", {"files": [{"file_id": "f"}] * 501}, "files", "at most 500 files"),
+    ("/v1/vector_stores/vs_1/file_batches", {"file_ids": ["f"], "attributes": {f"k{i}": 1 for i in range(17)}},
+     "attributes", "at most 16 keys"),
+    ("/v1/vector_stores/vs_1/search", {"query": ["q"] * 17}, "query", "at most 16 queries"),
+    ("/v1/vector_stores/vs_1/files", {"file_id": "f", "attributes": {f"k{i}": 1 for i in range(100_000)}},
+     "attributes", "at most 16 keys"),
+])
+def test_vector_store_lists(gw: Harness, vs_url: str, monkeypatch: pytest.MonkeyPatch, path: str,
+                            body: dict[str, Any], param: str, rule: str) -> None:
+    from embedmesh.gateway import vector_stores
+
+    spy = Spy(monkeypatch, vector_stores)
+    r = httpx.post(f"{vs_url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "too_many" and rule in error["message"]
+    assert spy.calls == 0
+
+
+def test_a_file_batchs_own_attributes_are_counted_before_they_are_read(gw: Harness, vs_url: str) -> None:
+    r = httpx.post(f"{vs_url}/v1/vector_stores/vs_1/file_batches", timeout=60,
+                   json={"files": [{"file_id": "f", "attributes": {f"k{i}": 1 for i in range(17)}}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "files[0].attributes" and error["code"] == "too_many"
+    # within every bound: on to the (unreachable) vector store
+    r = httpx.post(f"{vs_url}/v1/vector_stores/vs_1/search", json={"query": ["q"] * 16}, timeout=60)
+    assert r.status_code == 503, r.text
