@@ -22,7 +22,8 @@ strings or token-id lists),                                       preprocessor's
 ``prompt_embeds`` (list)                                          rule a client meets first
 embeddings ``input`` (list of         ``MAX_EMBED_INPUTS``        OpenAI's cap, and the preprocessor's
 strings or token-id lists)            (2048)
-responses ``metadata`` (keys)         ``MAX_METADATA`` (16)       OpenAI's limit; it is stored with the response
+responses ``metadata`` (keys)         ``MAX_METADATA`` (16)       OpenAI's limits (keys 64 characters, values
+                                                                  512); it is stored with the response
 responses ``include``                 ``MAX_INCLUDE`` (16)        a handful of names exist
 vector stores ``file_ids``, ``files``  ``MAX_FILES`` (500)        OpenAI's limit on a file batch
 vector store search ``query`` (list)  ``MAX_QUERIES`` (16)        the vector store's own rule
@@ -53,6 +54,8 @@ MAX_PROMPTS = 2048
 MAX_EMBED_INPUTS = 2048
 MAX_METADATA = 16
 MAX_INCLUDE = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 MAX_FILES = 500
 MAX_QUERIES = 16
 
@@ -80,6 +83,16 @@ def _parts(body: dict[str, Any], name: str) -> None:
             if parts > MAX_PARTS:
                 raise bad_request(f"{name}[{i}].content", f"the {name} may hold at most {MAX_PARTS} content parts "
                                   f"in all (got {parts} up to this one)", "too_many")
+
+
+def _metadata_lengths(metadata: Any) -> None:
+    """A stored response's metadata (at most ``MAX_METADATA`` keys by now): OpenAI's key and value lengths."""
+    if not isinstance(metadata, dict):
+        return
+    for k, v in metadata.items():
+        if len(k) > MAX_METADATA_KEY or (isinstance(v, str) and len(v) > MAX_METADATA_VALUE):
+            raise bad_request("metadata", f"keys are at most {MAX_METADATA_KEY} characters and values at most "
+                              f"{MAX_METADATA_VALUE}", "too_long")
 
 
 def _sampling(body: dict[str, Any]) -> None:
@@ -129,6 +142,7 @@ class Bounds:
         _parts(body, "input")
         _sampling(body)
         _count(body, "metadata", MAX_METADATA, "keys", dict)
+        _metadata_lengths(body.get("metadata"))
         _count(body, "include", MAX_INCLUDE, "names")
 
     def vector_store(self, body: Any) -> None:

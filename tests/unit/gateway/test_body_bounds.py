@@ -200,6 +200,8 @@ def test_responses_conversation_is_bounded_with_its_history(gw: Harness, small: 
 
 @pytest.mark.parametrize(("field", "value", "rule"), [
     ("metadata", {f"k{i}": "v" for i in range(17)}, "at most 16 keys"),
+    ("metadata", {"k": "v" * 513}, "values at most 512"),
+    ("metadata", {"k" * 65: "v"}, "keys are at most 64 characters"),
     ("include", ["message.output_text.logprobs"] * 17, "at most 16 names"),
     ("tools", [{"type": "function", "name": f"f{i}"} for i in range(MAX_TOOLS + 1)], f"at most {MAX_TOOLS} tools"),
     ("stop", ["x"] * 17, "at most 16 stop strings"),
@@ -210,7 +212,7 @@ def test_responses_lists(gw: Harness, small: str, monkeypatch: pytest.MonkeyPatc
     r = httpx.post(f"{small}/v1/responses", timeout=60, json={"model": MODEL, "input": "hi", field: value})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == field and error["code"] == "too_many" and rule in error["message"]
+    assert error["param"] == field and error["code"] in ("too_many", "too_long") and rule in error["message"]
     assert spy.calls == 0 and gw.fake.requests == []
 
 
