@@ -23,7 +23,7 @@ import pytest
 from tests.images.conftest import KINDS, USER_ID, VERSION, Containers, image, podman, run_to_exit
 from tests.unit.deploy._support import OVERLAYS, TLS_OVERLAYS, render, workloads
 
-STARTED = {"cpu-demo": {"gateway", "preprocessor", "router", "worker", "worker-embed"}}
+STARTED = {"cpu-demo": {"gateway", "preprocessor", "router", "worker", "worker-embed", "image-encoder"}}
 """Overlay -> the workloads started in their image (the rest are checked statically, see the module docstring)."""
 
 
@@ -174,3 +174,33 @@ def test_started_as_the_manifest_starts_it_it_answers_its_ports_and_probes(
             assert got[key] in ("SERVING", "NOT_SERVING"), (key, got[key])
         elif kind == "http":
             assert got[key] in (200, 503), (key, got[key], "the probe's path must exist")
+
+
+def _flag(args: list[str], flag: str) -> str:
+    assert flag in args, f"{flag} missing from {args}"
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_preprocessors_images_go_to_an_image_encoder_of_the_image_that_has_the_vision_packages(
+        overlay: str) -> None:
+    docs = render(overlay)
+    pre = next(c for n, _, c in _ours(overlay) if n == "preprocessor")
+    encoders = [(n, c) for n, _, c in _ours(overlay) if "embedmesh.services.image_encoder.main" in c["command"]]
+    assert [n for n, _ in encoders] == ["image-encoder"], "one image encoder Deployment"
+    _, enc = encoders[0]
+    assert _kind(enc) == "worker-hf", "torch and the vision packages are in worker-hf only"
+    # Images are on in the manifests (the services image's default is off) and the encoder the preprocessor keys its
+    # cache with is the one the service runs.
+    assert _flag(pre["args"], "--image-encoder") == _flag(enc["args"], "--encoder") == "efficientnet-lite0"
+    # The address is the preprocessor sidecar's egress for the encoder's port (deploy/README.md, "Traffic"), and that
+    # sidecar's config sends it to the image-encoder pods' ingress.
+    port = int(_flag(enc["args"], "--port"))
+    host, _, egress = _flag(pre["args"], "--image-encoder-address").rpartition(":")
+    assert host == "127.0.0.1" and int(egress) == 15000 + port % 1000
+    envoy = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("envoy-preprocessor"))
+    config = next(iter(envoy["data"].values()))
+    assert f"port_value: {egress}" in config and "image-encoder-headless" in config and f"port_value: {port + 1000}" \
+        in config, "the preprocessor's sidecar has an egress listener to the image encoders"
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "image-encoder-headless")
+    assert port + 1000 in [p["port"] for p in service["spec"]["ports"]]

@@ -1,24 +1,29 @@
 """The default set as containers only: router, hf and hf-embed workers, preprocessor and gateway from the services
 and worker-hf images on an internal podman network of their own (no route out of it), the gateway also on a second
-network that publishes its REST port on 127.0.0.1 (the commands docs/deployment.md gives for one host). A completion
+network that publishes its REST port on 127.0.0.1 (the commands docs/deployment.md gives for one host), and the
+image encode service from the worker-hf image, which the preprocessor calls on an image cache miss. A completion
 from ``prompt_embeds`` (built by the client from the model's own embedding layer, as vLLM's docs tell clients to)
 equals the completion of the same prompt as text, both served by the containers; /v1/embeddings equals
-sentence-transformers on the host."""
+sentence-transformers on the host; scikit-image's cat, sent as a chat image part, is answered with a cat and
+encoded once by the encode container."""
 
 from __future__ import annotations
 
+import base64
+import importlib.metadata
 import json
 import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.e2e.conftest import MODEL, b64_of
-from tests.images.conftest import USER_ID, Containers, image
+from tests.images.conftest import USER_ID, Containers, image, podman
 
 TEXT = "The capital of France is"
 
@@ -36,8 +41,12 @@ def gateway() -> Iterator[tuple[str, Containers]]:
                 "--routers", "router:50081", "--advertise", "worker:50061", alias="worker", networks=(net,))
         c.start(worker_hf, "--host", "0.0.0.0", "--port", "50091", "--engine", "hf-embed", alias="worker-embed",
                 networks=(net,))
+        c.start(worker_hf, "-m", "embedmesh.services.image_encoder.main", "--host", "0.0.0.0", "--port", "50111",
+                "--metrics-port", "9100", entrypoint="python3", alias="image-encoder", networks=(net,))
+        # The services image turns images off (no torch in it); with an encode service it takes them again.
         c.start(services, "python3", "-m", "embedmesh.services.preprocessor.main", "--host", "0.0.0.0",
                 "--port", "50051", "--workers", "worker:50061,worker-embed:50091", "--routers", "router:50081",
+                "--image-encoder", "efficientnet-lite0", "--image-encoder-address", "image-encoder:50111",
                 alias="preprocessor", networks=(net,))
         gw = c.start(services, "python3", "-m", "embedmesh.gateway.main", "--host", "0.0.0.0", "--port", "8000",
                      "--preprocessor", "preprocessor:50051", alias="gateway", networks=(net, edge), publish=(8000,))
@@ -139,3 +148,35 @@ def test_embeddings_through_the_containers_equal_the_model(gateway: tuple[str, C
         rows = [d["embedding"] for d in json.loads(r.read())["data"]]
     expected = SentenceTransformer(str(minilm_dir()), device="cpu").encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(np.array(rows, dtype=np.float32), expected, atol=1e-5)
+
+
+def _encodes(c: Containers) -> float:
+    """The encode container's ``embedmesh_image_encodes_total`` (its /metrics, read inside it: the internal network
+    publishes nothing)."""
+    name = next(n for n in c.names if "-image-encoder-" in n)
+    r = podman("exec", name, "python3", "-c", "import urllib.request as u; "
+               "print(u.urlopen('http://127.0.0.1:9100/metrics', timeout=10).read().decode())")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("embedmesh_image_encodes_total"))
+
+
+def test_a_chat_image_is_encoded_by_the_encoder_container_once_and_answered(gateway: tuple[str, Containers]) -> None:
+    base, c = gateway
+    dist = importlib.metadata.distribution("scikit-image")
+    png = Path(str(dist.locate_file("skimage/data/chelsea.png"))).read_bytes()
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 12, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "What animal is in the picture?"}]}]}
+
+    def ask() -> str:
+        req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=180) as r:
+            return str(json.loads(r.read())["choices"][0]["message"]["content"])
+
+    before = _encodes(c)
+    answer = ask()
+    assert re.search(r"\b(cat|cats|kitten|kitty|tabby|feline)\b", answer, re.IGNORECASE), answer
+    assert ask() == answer  # greedy, the same rows
+    assert _encodes(c) - before == 1, "the repeat came from the preprocessor's cache, not a second encode"

@@ -39,7 +39,8 @@ def tool(name: str) -> str:
 
 @functools.cache
 def mesh() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((DEPLOY / "mesh.yaml").read_text())
+    """deploy/mesh.yaml as the generators read it (``cluster_services`` among the services)."""
+    data: dict[str, Any] = load_script("envoy/generate.py").load_mesh()
     return data
 
 
