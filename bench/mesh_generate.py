@@ -3,9 +3,10 @@ as the bare limits' payloads are: ``one_message`` is ``InferenceService.Generate
 inline: a unary request), ``pieces`` is ``InferenceService.Generate`` (header, then rows, through ``stream_stream``).
 
 A one-message call is made when it is used, the way the mesh's own clients make it: iterated (``async for``), as a
-``unary_stream`` call giving each event; given to ``whole``, as a ``unary_unary`` call when under ``UNARY_MAX_BYTES``,
-since an answer without stream is exactly one event (the same call on the wire: one message and the status; grpc.aio's
-unary path costs the client less CPU, as the Python client and the gateway do it too)."""
+``unary_stream`` call giving each event; given to ``whole``, as a ``unary_unary`` call when under
+``thresholds.UNARY_ANSWER_MAX``, since an answer without stream is exactly one event (the same call on the wire: one
+message and the status; grpc.aio's unary path costs the client less CPU, as the Python client and the gateway do it
+too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from embedmesh.core.transport.thresholds import UNARY_ANSWER_MAX
 from embedmesh.inference.v1 import inference_pb2
 
 __all__ = ["GENERATE", "GENERATE_INLINE", "request_bytes", "one_message", "pieces", "whole", "complete"]
@@ -21,9 +23,6 @@ __all__ = ["GENERATE", "GENERATE_INLINE", "request_bytes", "one_message", "piece
 GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
 GENERATE_INLINE = "/embedmesh.inference.v1.InferenceService/GenerateInline"
 _EVENT = inference_pb2.GenerateResponse.FromString
-UNARY_MAX_BYTES = 1 << 20
-"""``whole`` makes a one-message call under this size a unary call (bigger ones stay streaming calls: with 64 MiB
-requests grpc.aio's unary path was measured slower, and slowed the pieces streams after it on the channel)."""
 
 
 def request_bytes(params: Any, *, stream: bool = False, chat: bool = False) -> bytes:
@@ -47,7 +46,7 @@ class _OneMessage:
 
     @property
     def small(self) -> bool:
-        return len(self._data) < UNARY_MAX_BYTES
+        return len(self._data) < UNARY_ANSWER_MAX
 
     async def unary(self) -> inference_pb2.GenerateResponse:
         return await self._calls[1](self._data, **self._kw)  # type: ignore[no-any-return]

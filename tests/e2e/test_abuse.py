@@ -17,7 +17,7 @@ import grpc
 import openai
 import pytest
 
-from embedmesh.core.wire import varint as _varint
+from embedmesh.core.transport.wire import varint as _varint
 from embedmesh.gateway import client_caps
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2

@@ -1,5 +1,5 @@
 """A big Generate pieces prompt (one raw tensor of 8 MiB or more, in the model's dtype) goes on to its worker while it
-arrives (``core/pieces.py`` Arrival, ``pipeline.ROUTE_BYTES``), on a real echo mesh: the answer is what one message
+arrives (``pieces.Arrival``, ``thresholds.ROUTE_BYTES``), on a real echo mesh: the answer is what one message
 gives for the same tensor; a stream that breaks a rule part-way — a NaN in its last piece, bytes missing, bytes too
 many — is answered with that rule by name, no response message goes out before the stream ended, and nothing
 reaches the engine; rows go on to the worker before the client's last piece was sent."""

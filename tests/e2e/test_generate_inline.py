@@ -84,7 +84,7 @@ def stub(mesh: Any) -> Iterator[Any]:
 def test_a_completion_streamed_or_whole_gives_the_rest_apis_text(mesh: Any, client: Any, embeds_of: Any,
                                                                   stub: Any) -> None:
     emb = embeds_of(TEXT).numpy().astype(np.float32)
-    assert emb.nbytes >= 4096  # big enough for core.wire to cut its bytes out of the request
+    assert emb.nbytes >= 4096  # big enough for core.transport.wire to cut its bytes out of the request
     expected = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=6, temperature=0).choices[0].text
     assert expected
     before = generate_calls(mesh.extra["metrics_base"] + 1)

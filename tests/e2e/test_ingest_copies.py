@@ -3,7 +3,7 @@ resident memory a 64 MiB float32 tensor adds to the worker and to the preprocess
 the resident size before; the first big request, so the allocator has nothing to reuse).
 
 Counted in payloads: the preprocessor receives the request bytes (gRPC's buffer and the bytes object it hands
-over), reads the rows as a view of them (``core.wire``) and sends them to the worker in 1 MiB pieces, each copied
+over), reads the rows as a view of them (``transport.wire``) and sends them to the worker in 1 MiB pieces, each copied
 just before it is sent (``worker_chunks.py``): ≤ 3.5 (2.6 measured). The worker copies each piece it receives into
 rows it allocated once (``worker/chunks.py``): ≤ 2.5 (1.9 measured). Sent as one message (joined, then gRPC's
 buffer and bytes object on the worker) the figures were 4.6 and 3.0; parsed with protobuf and read through

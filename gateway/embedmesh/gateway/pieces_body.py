@@ -7,8 +7,8 @@ Why: sent as one message, a 64 MiB payload is joined into the request bytes, cop
 the preprocessor before anything starts, hashed for the encoder cache and decoded there. As pieces of raw tensors
 (what ``torch.save`` of a float tensor holds), the preprocessor lays them out as they arrive; a completion's one
 tensor already in the model's dtype is even checked piece by piece and forwarded to the worker at once
-(``core/pieces.py``, ``InferenceServicer._completion_scan``), so the gateway's send, the preprocessor's checks and the
-worker's receive overlap (a chat's tensors are assembled first). The encoder cache is not used for such payloads: a
+(``transport/pieces.py``, ``InferenceServicer._completion_scan``), so the gateway's send, the preprocessor's checks and
+the worker's receive overlap (a chat's tensors are assembled first). The encoder cache is not used for such payloads: a
 hit would still cost hashing every byte, as much as the NaN/Inf check it saves.
 
 Taken only when the answer is the same as the one-message path's: a completion with one ``prompt_embeds`` entry and
@@ -30,9 +30,11 @@ from typing import Any
 
 import grpc
 
-from embedmesh.core import fastpath, wire
+from embedmesh.core import fastpath
 from embedmesh.core.errors import answered_by_peer, from_rpc_error
 from embedmesh.core.tensor_codec import StoredTensor, stored_tensor
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.thresholds import PIECE_BYTES
 from embedmesh.gateway.errors import ApiError
 from embedmesh.gateway.wire_body import (
     Part,
@@ -45,10 +47,7 @@ from embedmesh.gateway.wire_body import (
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["PIECE_BYTES", "PiecesBody", "GenerateCall", "completion_pieces", "chat_pieces", "generate", "fall_back"]
-
-PIECE_BYTES = 1 << 20
-"""Bytes of tensor values per message."""
+__all__ = ["PiecesBody", "GenerateCall", "completion_pieces", "chat_pieces", "generate", "fall_back"]
 
 _FLOATS = frozenset({tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16, tensor_pb2.DATA_TYPE_BF16})
 
@@ -62,7 +61,7 @@ class PiecesBody:
 
     def messages(self) -> Iterator[bytes]:
         """The stream's messages as bytes: the request, then each tensor's values in pieces of ``PIECE_BYTES``,
-        each copied once when gRPC asks for it (``core.wire.chunk_messages``: every pieces stream shares
+        each copied once when gRPC asks for it (``core.transport.wire.chunk_messages``: every pieces stream shares
         ``oneof part { request = 1; bytes rows = 2; }``)."""
         return wire.chunk_messages(self.request, self.values, PIECE_BYTES)
 

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from embedmesh.core import fastpath
+from embedmesh.core.transport import thresholds
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 
@@ -148,7 +149,7 @@ def generate_request_bytes(params: inference_pb2.CompletionParams | inference_pb
 def header_bytes(params: inference_pb2.CompletionParams | inference_pb2.ChatParams, *, chat: bool,
                  stream: bool) -> bytes:
     """A ``GenerateHeader`` of ``params`` (no blobs) as bytes, the first message of a pieces stream once wrapped
-    (``core.wire.chunk_messages``)."""
+    (``core.transport.wire.chunk_messages``)."""
     return b"".join(_header([params.SerializeToString()], chat, stream))
 
 
@@ -193,23 +194,19 @@ def generate_call(channel: grpc.aio.Channel, kind: str) -> Any:
                                   _registered_method=True)
 
 
-UNARY_MAX_BYTES = 1 << 20
-"""A whole answer's request under this size is made as a unary call (``inline_call``); a bigger one as a streaming
-call: measured with 64 MiB requests, grpc.aio's unary path was slower for the call itself and made the pieces
-streams after it on the same channel about twice as slow."""
-
-
 def inline_call(channel: grpc.aio.Channel, stream: bool) -> Callable[..., Any]:
     """``InferenceService.GenerateInline`` for one message of bytes, read with ``read()`` (events, then EOF). A
-    whole answer (not ``stream``) is exactly one event, so a small one is made as a unary call (the same call on the
-    wire: one message and the status; grpc.aio's unary path costs the client less CPU than its streaming one), unless
-    the bypasses are off (``core.fastpath``)."""
+    whole answer (not ``stream``) is exactly one event, so a small one (under ``thresholds.UNARY_ANSWER_MAX``) is
+    made as a unary call (the same call on the wire: one message and the status; grpc.aio's unary path costs the
+    client less CPU than its streaming one), unless the bypasses are off (``core.fastpath``)."""
     streamed = generate_call(channel, "unary_stream")
     if stream or not fastpath.enabled():
         return streamed  # type: ignore[no-any-return]
     unary = channel.unary_unary(_GENERATE_INLINE, request_serializer=None, response_deserializer=_event,
                                 _registered_method=True)
-    return lambda data, **kw: _OneEvent(unary(data, **kw)) if len(data) < UNARY_MAX_BYTES else streamed(data, **kw)
+    # read at each call: tests set it to 0 to read every whole answer as a stream
+    return lambda data, **kw: (_OneEvent(unary(data, **kw)) if len(data) < thresholds.UNARY_ANSWER_MAX
+                               else streamed(data, **kw))
 
 
 class _OneEvent:

@@ -54,7 +54,7 @@ def validate_embeds(arr: np.ndarray, dtype: int, spec: ModelSpec, *, field: str,
     ``arr`` is what ``tensor_codec`` or ``tensors.to_numpy`` produced for ``dtype``; shape and dtype rules come
     first because they are cheap, the value scan last. The result may share memory with ``arr`` when no cast or
     copy is needed. ``scanned``: the values are in the model dtype and pass ``check_finite`` as they arrive
-    (``core.pieces``), so they are not scanned here (they may not have arrived yet).
+    (``core.transport.pieces``), so they are not scanned here (they may not have arrived yet).
     """
     name = tensors.DTYPE_NAMES.get(dtype, f"type {dtype}")
     if not tensors.is_float(dtype):

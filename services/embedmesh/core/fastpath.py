@@ -9,9 +9,9 @@ bypass                      fast path (default)                                 
 ==========================  ======================================================  ===================================
 gRPC core experiments       ``core.grpc_runtime``: EventEngine client/listener off   gRPC's own defaults
 base64 slots                ``gateway.embeds_json``: long base64 decoded in place    ``orjson.loads`` of the whole body
-spliced request bytes       ``gateway.wire_body``, ``core.wire.generate_request_     protobuf constructors and
+spliced request bytes       ``gateway.wire_body``, ``core.transport.wire.generate_request_     protobuf constructors and
                             bytes``: tensor bytes spliced into the wire bytes        ``SerializeToString``
-cut-out tensor views        ``core.wire.split_*_request``: rows as views of the      protobuf's own parser
+cut-out tensor views        ``core.transport.wire.split_*_request``: rows as views of the      protobuf's own parser
                             received buffer
 RESP client                 ``encoder_cache.resp``: Redis bulk values straight       redis-py for every command
                             into the array
@@ -19,7 +19,7 @@ RESP client                 ``encoder_cache.resp``: Redis bulk values straight  
 
 Not switched, because they are not bypasses: the gateway's uvicorn protocol subclass (``gateway.protocol``) holds
 the header and body deadlines against slow clients, a security rule the plain path must keep too; the pieces streams
-(``core.pieces``) carry prompts larger than one gRPC message; the multiplexed worker and router streams
+(``core.transport.pieces``) carry prompts larger than one gRPC message; the multiplexed worker and router streams
 (``core.mux``) are the mesh's one stream shape per hop.
 
 The value is read from the environment at each use (a dictionary lookup), so a test can flip it; the launcher's

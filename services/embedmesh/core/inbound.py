@@ -41,7 +41,7 @@ DRAIN_MESSAGES = 4096
 DRAIN_SECONDS = 10.0
 UPLOAD_IDLE_SECONDS = 30.0
 IDLE_BOUND_STREAMS = {"/embedmesh.cache.v1.EncoderCacheService/Put": "chunk"}
-"""Client streams that are uploads with an end, outside the pieces streams (which ``core.pieces`` bounds alike),
+"""Client streams that are uploads with an end, outside the pieces streams (which ``transport.pieces`` bounds alike),
 with the field their messages fill: each message arrives within ``UPLOAD_IDLE_SECONDS`` of the one before, or the
 call is refused (an authenticated upload that goes silent would hold its tenant's slot until the client's own
 deadline). Long-lived streams (a worker's registration, the multiplexed mesh streams) are not bounded."""

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from embedmesh.core.errors import rpc_error
-from embedmesh.core.wire import varint
+from embedmesh.core.transport.wire import varint
 
 __all__ = ["MuxSession", "entry", "CUT_WHILE_WRITING"]
 

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer as AsyncReflection
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from embedmesh.core import auth, inbound, tls, tracebacks, wire
+from embedmesh.core import auth, inbound, tls, tracebacks
 from embedmesh.core.auth import Access
 from embedmesh.core.authz import Authorizer
 from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
@@ -289,9 +289,6 @@ async def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, p
         request = inbound.checked_stream(request, method)
     elif isinstance(request, inbound.BadMessage):
         raise inbound.bad_message(method, request)
-    elif isinstance(request, wire.WireRequest):  # tensors kept as views of the request bytes (core.wire)
-        wire.set_tensor_views(request.views)
-        request = request.message
     if authz and authz.access is Access.PUBLIC and auth.limited(principal):
         owed.append(principal)  # its tenant's slot is taken next (auth.take_slot: in Redis when shared)
     auth.set_principal(principal)
@@ -336,10 +333,8 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, authz: Authorize
 
 def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str,
-    authz: Authorizer | None = None, streaming_in: bool = False, one: bool = False,
+    authz: Authorizer | None = None, streaming_in: bool = False, one: bool = False, upload: bool = False,
 ) -> Callable[..., AsyncIterator[Any]]:
-    upload = streaming_in and method in wire.UPLOAD_STREAMS
-
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         metadata = context.invocation_metadata()
         raw = request
@@ -369,7 +364,7 @@ def _wrap_stream(
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | None,
                  require_client_cert: bool = False, read_after_auth: bool = False,
-                 parser: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+                 parser: Callable[[bytes], Any] | None = None, upload: bool = False) -> grpc.RpcMethodHandler:
     """``handler`` (of RPC ``method``) with what every RPC of the mesh gets: domain exceptions mapped to status codes
     with details (anything else becomes INTERNAL with an incident id), a server span parented by the caller's
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
@@ -378,12 +373,12 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
 
     ``read_after_auth`` (public ports): a unary request is served as a one-message stream, read only once the
     caller is authenticated (``core/inbound.py``). ``parser``: the request deserializer the service handed over for
-    this RPC (``Server.add``), used instead of protobuf's."""
+    this RPC (``Server.add``), used instead of protobuf's. ``upload``: see ``Server.add``."""
     authz = Authorizer(access, require_client_cert, method) if access is not None else None
     one = read_after_auth and authz is not None
     kw = dict(
         request_deserializer=inbound.safe_deserializer(
-            parser or wire.REQUEST_PARSERS.get(method, handler.request_deserializer), method,
+            parser or handler.request_deserializer, method,
             max_bytes=inbound.OPEN_MESSAGE_BYTES if one and access is Access.OPEN else 0),
         response_serializer=handler.response_serializer,
     )
@@ -408,7 +403,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
         fn = handler.stream_stream
         if inspect.isasyncgenfunction(fn):
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(fn, method, authz, streaming_in=True), **kw)
+                _wrap_stream(fn, method, authz, streaming_in=True, upload=upload), **kw)
     return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
 
 
@@ -417,9 +412,11 @@ class _Registrar:
     method handler is wrapped once (``wrap_handler``) and the wrapped ones are registered on the real server."""
 
     def __init__(self, server: grpc.aio.Server, access_for: Callable[[str], Access], require_client_cert: bool,
-                 read_after_auth: bool = False, parsers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
+                 read_after_auth: bool = False, parsers: Mapping[str, Callable[[bytes], Any]] | None = None,
+                 uploads: Iterable[str] = ()) -> None:
         self._server = server
         self._parsers = parsers or {}
+        self._uploads = frozenset(uploads)
         self._access_for = access_for
         self._require_client_cert = require_client_cert
         self._read_after_auth = read_after_auth
@@ -431,7 +428,8 @@ class _Registrar:
 
     def add_registered_method_handlers(self, service: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         wrapped = {name: wrap_handler(h, f"/{service}/{name}", self._access_for(f"/{service}/{name}"),
-                                      self._require_client_cert, self._read_after_auth, self._parsers.get(name))
+                                      self._require_client_cert, self._read_after_auth, self._parsers.get(name),
+                                      name in self._uploads)
                    for name, h in method_handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
         self._server.add_registered_method_handlers(service, wrapped)
@@ -494,21 +492,22 @@ class Server:
 
     def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str,
             access: Access = Access.MESH, methods: dict[str, Access] | None = None,
-            parsers: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
+            parsers: Mapping[str, Callable[[bytes], Any]] | None = None, uploads: Iterable[str] | None = None) -> None:
         """Register a servicer under its fully qualified service name (for health and reflection).
 
         ``access``: who may call its RPCs (default: mesh callers and admin keys only); ``methods`` overrides it
         per RPC name (e.g. ``{"Stats": Access.ADMIN}``). ``parsers``: RPC name -> request deserializer used instead
         of protobuf's (one that keeps a message's tensor bytes uncopied); by default the servicer's own
-        ``request_parsers``, if it has them."""
+        ``request_parsers``. ``uploads``: RPCs whose request stream is an upload with an end, not a long-lived stream
+        (a refusal waits for the client to finish sending, ``inbound.drain``); by default its ``upload_streams``."""
         self._service_names.append(full_name)
         self._access[full_name] = access
         for m, a in (methods or {}).items():
             self._access[f"{full_name}/{m}"] = a
-        if parsers is None:
-            parsers = getattr(servicer, "request_parsers", None)
+        parsers = getattr(servicer, "request_parsers", None) if parsers is None else parsers
+        uploads = getattr(servicer, "upload_streams", ()) if uploads is None else uploads
         registrar = _Registrar(self._server, self._access_for, self._require_client_cert, self.options.public,
-                               parsers)
+                               parsers, uploads)
         register(servicer, registrar)  # type: ignore[arg-type]
         if not registrar.registered:
             # Only the generated registration hands over its method handlers; anything else would be served

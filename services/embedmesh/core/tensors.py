@@ -15,7 +15,6 @@ overflow a 64-bit integer before it is compared with a byte length or a cap.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,24 +156,11 @@ def check_shape(shape: Sequence[int], field: str) -> int:
     return count
 
 
-_WIRE_VIEWS: ContextVar[dict[str, memoryview] | None] = ContextVar("embedmesh_wire_views", default=None)
-
-
-def set_wire_views(views: dict[str, memoryview] | None) -> None:
-    """Publish the current call's tensor bytes cut out of its request (``core.wire``), by field path."""
-    _WIRE_VIEWS.set(views)
-
-
-def wire_views() -> dict[str, memoryview] | None:
-    return _WIRE_VIEWS.get()
-
-
 def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor",
              data: memoryview | None = None) -> tuple[np.ndarray, DType]:
     """View a Tensor message's bytes as an array (bf16 as its uint16 bits). Checks dtype, shape and length.
-    ``data``: the tensor's bytes when they travelled apart from the message (a ``data``-less tensor). Else, when
-    the call's request was parsed with its tensors cut out (``core.wire``), the bytes of the tensor at path
-    ``field`` are a view of the received buffer and are not copied."""
+    ``data``: the tensor's bytes when they travelled apart from the message (cut out of the received buffer or sent
+    after it, ``core.transport``): viewed, not copied; used unless the message carries bytes of its own."""
     info = _INFO.get(msg.dtype)
     if info is None:
         raise InvalidArgument(f"{field}.dtype: unsupported data type {msg.dtype}", field=f"{field}.dtype",
@@ -182,9 +168,6 @@ def to_numpy(msg: tensor_pb2.Tensor, *, field: str = "tensor",
     shape = tuple(int(d) for d in msg.shape)
     count = check_shape(shape, f"{field}.shape")
     expected = count * info.numpy.itemsize
-    if data is None:
-        views = wire_views()
-        data = views.get(field) if views else None
     if data is None or len(msg.data):
         data = msg.data  # read once: each read of a bytes field copies
     if len(data) != expected:

@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import fastpath, grpc_runtime, wire
+from embedmesh.core import fastpath, grpc_runtime
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.received import Received
 from embedmesh.inference.v1 import inference_pb2
+from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
-from tests.unit.core.test_wire import _reference
+from tests.unit.core.transport.test_wire import _reference
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("on", True), ("1", True), ("", True), ("off", False),
@@ -56,12 +59,12 @@ def test_off_received_tensors_are_parsed_by_protobuf_not_cut_out(monkeypatch: py
     embeds = inference_pb2.PromptEmbeds(tensor=tensor_pb2.Tensor(dtype=dtype, shape=[600, 32], data=rows.tobytes()))
     complete = inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(
         completion=inference_pb2.CompletionParams(model="m", prompt_embeds=[embeds]))).SerializeToString()
-    parse_complete = wire.REQUEST_PARSERS["/embedmesh.inference.v1.InferenceService/Generate"]
-    assert isinstance(wire.parse_generate_request(body), wire.WireRequest)
-    assert isinstance(parse_complete(complete), wire.WireRequest)
+    parse_complete = InferenceServicer.request_parsers["Generate"]
+    assert set(wire.parse_generate_request(body).views) == {"segments[0].embeds"}
+    assert isinstance(parse_complete(complete), Received)
     monkeypatch.setenv(fastpath.ENV, "off")
     plain = wire.parse_generate_request(body)
-    assert isinstance(plain, worker_pb2.GenerateRequest) and plain.segments[0].embeds.data == rows.tobytes()
+    assert not plain.views and plain.message.segments[0].embeds.data == rows.tobytes()
     assert isinstance(parse_complete(complete), inference_pb2.GenerateRequest)
 
 

@@ -21,7 +21,7 @@ from embedmesh.core import inbound
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
-from embedmesh.core.wire import varint as _varint
+from embedmesh.core.transport.wire import varint as _varint
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.procmem import hwm_mib as _hwm_mib
 from tests.support.worker_generate import worker_generate

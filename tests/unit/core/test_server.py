@@ -16,7 +16,7 @@ from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
 from embedmesh.core.auth import Access
 from embedmesh.core.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
-from embedmesh.core.wire import varint as _varint
+from embedmesh.core.transport.wire import varint as _varint
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.worker.many import ManyStreams
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -246,6 +246,8 @@ async def test_a_service_registered_without_its_method_handlers_is_refused() -> 
 
 class _Refusing(inference_pb2_grpc.InferenceServiceServicer):
     """Generate (an upload: a header, then rows) refuses the stream after its first message (a rule it breaks)."""
+
+    upload_streams = frozenset({"Generate"})  # as the preprocessor's servicer declares it (Server.add)
 
     async def Generate(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         async for _ in request_iterator:

@@ -535,7 +535,7 @@ def test_property_any_view_round_trips(view: torch.Tensor) -> None:
 
 
 def test_views_of_received_bytes_decode_like_bytes() -> None:
-    """The preprocessor hands the codec a view of the request bytes (core.wire): same values, same refusals."""
+    """The preprocessor hands the codec a view of the request bytes (transport.wire): same values, same refusals."""
     t = torch.randn(7, 5)
     for payload in (saved(t), st_save({"e": t})):
         framed = b"xx" + payload + b"yy"  # a view inside a bigger buffer, as in a protobuf message

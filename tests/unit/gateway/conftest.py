@@ -14,12 +14,14 @@ import pytest
 import uvicorn
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import wire
 from embedmesh.core.errors import EmbedmeshError
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.received import Received
 from embedmesh.gateway import GatewayConfig, create_app
 from embedmesh.gateway.protocol import GatewayHttpProtocol
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
+from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.tensor.v1 import tensor_pb2
 
 SERVICE = "embedmesh.inference.v1.InferenceService"
@@ -72,7 +74,11 @@ class Sent:
 
 
 class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
-    """Records every request; answers from ``script``; notes calls the client cancelled."""
+    """Records every request; answers from ``script``; notes calls the client cancelled. Its requests are parsed as
+    the preprocessor's are (the same ``request_parsers``)."""
+
+    request_parsers = InferenceServicer.request_parsers
+    upload_streams = InferenceServicer.upload_streams
 
     def __init__(self) -> None:
         self.script = Script()
@@ -101,8 +107,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
         header, rows, messages = None, bytearray(), 0
         async for m in request_iterator:
             messages += 1
-            if isinstance(m, wire.WireRequest):  # inline tensors cut out of a big header (core.wire): put back
-                m, views = m
+            if isinstance(m, Received):  # inline tensors cut out of a big header (core.transport.wire): put back
+                m, views = m.message, m.views
                 for path, view in views.items():
                     pe = m.request.completion.prompt_embeds[int(path[14:-1]) if "[" in path else 0]
                     getattr(pe, pe.WhichOneof("source")).data = bytes(view)
@@ -130,10 +136,8 @@ class FakeInference(inference_pb2_grpc.InferenceServiceServicer):
         """The same call in one message (a unary request), recorded and answered as Generate's one message is (inline
         tensors cut out of the received bytes come as the call's wire views: put back too)."""
         self.inline_calls += 1
-        views = wire.tensor_views()
-
         async def one() -> Any:
-            yield wire.WireRequest(request, views) if views else request
+            yield request  # a ``Received``, as the real servicer's parsers give it
 
         async for event in self.Generate(one(), context):
             yield event

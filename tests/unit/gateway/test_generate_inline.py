@@ -9,16 +9,16 @@ import pytest
 
 from embedmesh.core import fastpath
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.gateway import wire_body
+from embedmesh.core.transport import thresholds
 from tests.unit.gateway.conftest import MODEL
 from tests.unit.gateway.test_pieces_body import _PiecesHarness, b64, pgw, rows, saved  # noqa: F401 - pgw: fixture
 
 
-@pytest.mark.parametrize("fast, unary_max", [(True, wire_body.UNARY_MAX_BYTES), (True, 0), (False, 0)])
+@pytest.mark.parametrize("fast, unary_max", [(True, thresholds.UNARY_ANSWER_MAX), (True, 0), (False, 0)])
 def test_small_requests_go_inline_and_big_ones_as_pieces(pgw: _PiecesHarness, fast: bool,  # noqa: F811
                                                          unary_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fastpath, "enabled", lambda: fast)
-    monkeypatch.setattr(wire_body, "UNARY_MAX_BYTES", unary_max)  # 0: whole answers read as streaming calls too
+    monkeypatch.setattr(thresholds, "UNARY_ANSWER_MAX", unary_max)  # 0: whole answers read as streaming calls too
     fake = pgw.fake
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

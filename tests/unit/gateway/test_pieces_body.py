@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from embedmesh.core.errors import InternalError, InvalidArgument, NotFound
+from embedmesh.core.transport.thresholds import PIECE_BYTES
 from embedmesh.gateway import GatewayConfig
 from embedmesh.gateway.errors import ApiError
-from embedmesh.gateway.pieces_body import PIECE_BYTES, GenerateCall, chat_pieces, completion_pieces, fall_back
+from embedmesh.gateway.pieces_body import GenerateCall, chat_pieces, completion_pieces, fall_back
 from embedmesh.gateway.translate import chat_params, completion_params
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2

@@ -25,11 +25,13 @@ import grpc
 import numpy as np
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import pieces, wire
 from embedmesh.core.block_hash import adapter_block_hashes, block_hashes
 from embedmesh.core.errors import EmbedmeshError, Unavailable, answered_by_peer, from_rpc_error
 from embedmesh.core.logs import get_logger
 from embedmesh.core.sampling import SamplingParams, choice_seed, sampling_to_proto
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.received import Arriving
+from embedmesh.core.transport.thresholds import ROUTE_BYTES, WORKER_PIECES_MIN
 from embedmesh.services.preprocessor.metrics import (
     GENERATED_TOKENS,
     PROMPT_TOKENS,
@@ -41,7 +43,7 @@ from embedmesh.services.preprocessor.metrics import (
 from embedmesh.services.preprocessor.migration import Resume, continuation
 from embedmesh.services.preprocessor.prompts import Prompt
 from embedmesh.services.preprocessor.tools import ToolSpec
-from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN, ChunkedBody
+from embedmesh.services.preprocessor.worker_chunks import ChunkedBody
 from embedmesh.services.preprocessor.workers import WorkerHandle, WorkerPool
 from embedmesh.services.router.route_client import Routes
 from embedmesh.worker.v1 import worker_pb2
@@ -97,7 +99,7 @@ BACKLOG = 256
 
 def _segments(prompt: Prompt, dtype: int) -> list[bytes | memoryview]:
     """A prompt's segments as GenerateRequest wire parts; embedding rows stay views of the validated array until
-    each request's bytes are joined (one copy per request, see ``core.wire``)."""
+    each request's bytes are joined (one copy per request, see ``core.transport.wire``)."""
     return [part for piece in prompt.pieces for part in wire.segment_parts(piece, dtype)]
 
 
@@ -107,8 +109,8 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
     tasks: list[asyncio.Task[None]] = []
     for p_index, prompt in enumerate(job.prompts):
         rows_bytes = sum(piece.nbytes for piece in prompt.pieces if not isinstance(piece, tuple))
-        arriving = _arriving(prompt)
-        chunked = rows_bytes >= CHUNKED_MIN or arriving is not None
+        arriving = prompt.arriving
+        chunked = rows_bytes >= WORKER_PIECES_MIN or arriving is not None
         if chunked:  # the rows follow the request in pieces (``worker_chunks.py``)
             head, rows = wire.chunked_segments(prompt.pieces, job.model_dtype)
             segment: list[bytes | memoryview] = []
@@ -117,7 +119,7 @@ async def run_job(job: Job, pool: WorkerPool, router: Routes | None = None) -> A
         hashes: list[int] = []
         if router is not None:
             hashes = adapter_block_hashes(await _routing_hashes(prompt, arriving, router.block_size), job.adapter)
-        ready = (lambda n, a=arriving: a[0].wait(a[1], n)) if arriving else None
+        ready = arriving.wait if arriving else None
         for i in range(job.n):
             index = p_index * job.n + i
             sampling = job.sampling
@@ -176,28 +178,17 @@ def _usage(job: Job, completion: int, sequences: int, first: float | None) -> Us
     return Usage(prompt_tokens, completion)
 
 
-ROUTE_BYTES = 4 << 20
-"""A prompt whose rows are still arriving is routed on the blocks of its first rows up to this many bytes (the
-whole prompt when smaller), so its rows can go on to the worker while the rest arrive (``core.pieces``)."""
-
-
-def _arriving(prompt: Prompt) -> tuple[pieces.Arrival, int] | None:
-    """The arrival a prompt made of one tensor still arriving from its client belongs to, with the tensor's index."""
-    if len(prompt.pieces) != 1 or isinstance(prompt.pieces[0], tuple):
-        return None
-    return pieces.arrival_of(prompt.pieces[0])
-
-
-async def _routing_hashes(prompt: Prompt, arriving: tuple[pieces.Arrival, int] | None, block_size: int) -> list[int]:
-    """The block hashes the router decides on: the whole prompt's, or those of the first ``ROUTE_BYTES`` of rows
-    still arriving (waited for)."""
+async def _routing_hashes(prompt: Prompt, arriving: Arriving | None, block_size: int) -> list[int]:
+    """The block hashes the router decides on: the whole prompt's, or, for rows still arriving, those of their
+    first ``thresholds.ROUTE_BYTES`` (waited for; the whole prompt when smaller), so the rows can go on to the worker
+    while the rest arrive."""
     if arriving is None:
         return block_hashes(prompt.pieces, block_size)
     rows = prompt.pieces[0]
     assert isinstance(rows, np.ndarray)
     row_bytes = rows.shape[1] * rows.itemsize
     take = min(int(rows.shape[0]), max(ROUTE_BYTES // row_bytes, 1))
-    await arriving[0].wait(arriving[1], take * row_bytes)
+    await arriving.wait(take * row_bytes)
     return block_hashes([rows[:take]], block_size)
 
 

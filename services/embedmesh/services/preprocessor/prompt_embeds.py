@@ -1,8 +1,9 @@
 """Prompt embeddings in the preprocessor, one straight line from what arrived to rows a worker can take:
 
-    RawEmbeds            what the request carried: a wire tensor, serialized bytes, or an upload id
-      -> read()          a wire tensor becomes an array over the request's bytes (``tensors.to_numpy``: a view of
-                         the received buffer when ``core.wire`` cut the tensor out, never a copy)
+    RawEmbeds            what the request carried: a wire tensor (``core.transport.WireTensor``: its header, its
+                         bytes, whether they are still arriving), serialized bytes, or an upload id
+      -> read()          a wire tensor becomes an array over the request's bytes (a view of the received buffer,
+                         never a copy); rows still arriving keep their ``Arriving`` mark
       -> decode()        serialized bytes (torch.save zip or safetensors) -> (array, dtype), ``core.tensor_codec``,
                          off the event loop when large; an upload id is looked up in the caller's namespace
       -> validate        ``core.embeds.validate_embeds``: the rules the worker applies again, cast to the model dtype
@@ -20,15 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedmesh.core import pieces, tensors
 from embedmesh.core.context import ROWS, check_context
 from embedmesh.core.embeds import ModelSpec, validate_embeds
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.tensor_codec import check_cap, decode_tensor_bytes
+from embedmesh.core.transport.received import Arriving, WireTensor
 from embedmesh.services.encoder_cache.keys import payload_key
 from embedmesh.services.encoder_cache.service import lookup_upload
 from embedmesh.services.encoder_cache.tiered import CachedTensor, TieredCache
-from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["RawEmbeds", "EmbedsResolver", "read", "decode"]
 
@@ -38,22 +38,24 @@ _THREAD_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class RawEmbeds:
-    """One prompt_embeds entry as it arrived: a wire tensor not read yet, serialized bytes, an already-typed array,
-    or an upload id. All unset: the client set none of them (refused by ``read``)."""
+    """One prompt_embeds entry as it arrived: a wire tensor not read yet, serialized bytes, an already-typed array
+    (``arriving``: its bytes are still arriving, checked as they land), or an upload id. All unset: the client set
+    none of them (refused by ``read``)."""
 
     encoded: bytes | memoryview | None = None
     array: np.ndarray | None = None
     dtype: int = 0
     cache_id: str = ""
-    tensor: tensor_pb2.Tensor | None = None
+    tensor: WireTensor | None = None
+    arriving: Arriving | None = None
 
 
 def read(raw: RawEmbeds, field: str) -> RawEmbeds:
     """A wire tensor -> its array and dtype (shape, dtype and byte length checked, no copy); the others as they are.
     Refuses an entry with nothing set (REQUIRED)."""
     if raw.tensor is not None:
-        arr, dtype = tensors.to_numpy(raw.tensor, field=field)
-        return RawEmbeds(array=arr, dtype=dtype)
+        arr, dtype = raw.tensor.read(field)
+        return RawEmbeds(array=arr, dtype=dtype, arriving=raw.tensor.arriving)
     if raw.encoded is None and raw.array is None and not raw.cache_id:
         raise InvalidArgument(f"{field}: neither tensor nor encoded is set", field=field, reason="REQUIRED")
     return raw
@@ -84,25 +86,34 @@ class EmbedsResolver:
         self.max_tokens = max_tokens
 
     async def __call__(self, raw: RawEmbeds, field: str) -> np.ndarray:
-        """Validated ``(rows, hidden)`` in the model dtype, checked against the context with ``max_tokens``."""
+        """Validated ``(rows, hidden)`` in the model dtype, checked against the context with ``max_tokens``, every
+        byte of them arrived."""
+        rows, arriving = await self.rows(raw, field)
+        if arriving is not None:
+            await arriving.wait(arriving.nbytes)
+        return rows
+
+    async def rows(self, raw: RawEmbeds, field: str) -> tuple[np.ndarray, Arriving | None]:
+        """``__call__``'s rows without waiting for rows still arriving (their bytes are checked as they land, the
+        other rules are applied here): with their ``Arriving`` mark, to wait on before reading them."""
         raw = read(raw, field)
+        arriving = None
         if raw.cache_id:
             rows = await self._upload(raw.cache_id, field)
         elif raw.encoded is not None:
             rows = await self._payload(raw.encoded, field)
         elif raw.array is not None:
             check_cap(field, raw.array.nbytes, self.max_bytes)
-            arriving = pieces.arrival_of(raw.array)
+            arriving = raw.arriving
             if arriving is not None and raw.dtype != self.spec.dtype:  # a cast needs every value: wait for them
-                await arriving[0].wait(arriving[1], raw.array.nbytes)
+                await arriving.wait(arriving.nbytes)
                 arriving = None
-            # rows still arriving are scanned as they arrive (core.pieces): the rest of the rules apply here
             rows = validate_embeds(raw.array, raw.dtype, self.spec, field=field, max_tokens=self.max_tokens,
                                    scanned=arriving is not None)
         else:
             raise InvalidArgument(f"{field}: no tensor given", field=field, reason="REQUIRED")
         check_context(int(rows.shape[0]), self.max_tokens, self.spec.max_context_tokens, field=field, wording=ROWS)
-        return rows
+        return rows, arriving
 
     async def _upload(self, cache_id: str, field: str) -> np.ndarray:
         value = await lookup_upload(self.cache, cache_id, field)

@@ -11,6 +11,7 @@ import numpy as np
 from embedmesh.core.context import TOKENS, check_context
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.transport.received import Arriving
 from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
 from embedmesh.services.preprocessor.token_cache import DEFAULT_CACHE_BYTES, TokenCache, safe_splitter
 
@@ -23,9 +24,12 @@ Piece = tuple[int, ...] | np.ndarray
 
 @dataclass(frozen=True)
 class Prompt:
-    """What a worker receives for one prompt: pieces of token ids and embedding rows, in order."""
+    """What a worker receives for one prompt: pieces of token ids and embedding rows, in order. ``arriving``: the
+    prompt is one piece of rows whose bytes are still arriving from the client (checked as they land): wait for
+    them before reading or sending them."""
 
     pieces: tuple[Piece, ...]
+    arriving: Arriving | None = None
 
     @classmethod
     def of_ids(cls, ids: tuple[int, ...]) -> Prompt:
@@ -91,7 +95,8 @@ async def build_prompts(
     out: list[Prompt] = []
     for i, raw in enumerate(embeds):
         field = "prompt_embeds" if len(embeds) == 1 else f"prompt_embeds[{i}]"
-        out.append(Prompt.of_embeds(await resolve(raw, field)))
+        rows, arriving = await resolve.rows(raw, field)
+        out.append(Prompt((rows,), arriving))
     for i, ids in enumerate(token_prompts):
         field = "prompt" if len(token_prompts) == 1 else f"prompt[{i}]"
         if not ids:
@@ -108,6 +113,9 @@ async def build_prompts(
         out.append(check_prompt(Prompt.of_ids(tokenizer.encode(text)), spec, field, max_tokens))
     if prefix is not None:
         rows = await resolve(prefix, "prompt_embeds_prefix")
+        for p in out:
+            if p.arriving is not None:  # a prompt put behind a prefix is sent whole
+                await p.arriving.wait(p.arriving.nbytes)
         out = [check_prompt(Prompt((rows, *p.pieces)), spec, "prompt_embeds_prefix", max_tokens) for p in out]
     return out
 

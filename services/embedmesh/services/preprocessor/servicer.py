@@ -15,8 +15,11 @@ from typing import Any
 import grpc
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import pieces, tensors
+from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.transport import pieces, wire
+from embedmesh.core.transport.received import Received
+from embedmesh.core.transport.thresholds import FORWARD_MIN
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.services.preprocessor.admin import MeshAdmin
 from embedmesh.services.preprocessor.metrics import GENERATE_CALLS, INFLIGHT, REJECTED
@@ -63,6 +66,16 @@ class Admission:
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    request_parsers = {
+        # the header's inline tensors stay views of the received bytes; rows after it are handed over uncopied
+        "Generate": wire.parse_chunk(inference_pb2.GenerateRequest, wire.split_generate_header),
+        # the same bytes as a one-message Generate stream, given as a ``Received`` (its cut-out tensors by path)
+        "GenerateInline": wire.parse_message(inference_pb2.GenerateInlineRequest, wire.split_generate_header),
+    }
+    """Request deserializers handed to ``Server.add`` (``core.transport.wire``)."""
+    upload_streams = frozenset({"Generate"})
+    """Request streams that are uploads with an end: a refusal waits for the client to finish sending."""
+
     def __init__(self, domain: InferenceDomain, admin: MeshAdmin, max_inflight: int) -> None:
         self.domain = domain
         self.admin = admin
@@ -73,49 +86,51 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.GenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """The one generation call: a header (completion or chat, stream or not), then the rows of its tensors
-        that came without data (a pieces stream, ``core.pieces``); events back (see inference.proto)."""
+        that came without data (a pieces stream, ``core.transport.pieces``); events back (see inference.proto)."""
         with self.admission.slot("Generate"):  # taken first: a mesh at capacity does not read the rows
             arrival = await self._arrival(request_iterator, _generate_tensors, self._generate_scan)
-            header: inference_pb2.GenerateHeader = arrival.request
+            received = arrival.received()
+            header: inference_pb2.GenerateHeader = received.message
             task = _task(header, "pieces" if arrival.buffers else "message")
             async with self._serving(arrival):
-                async for event in self._answer(header, task, arrival.finished):
+                async for event in self._answer(header, received, task, arrival.finished):
                     yield event
 
     async def GenerateInline(  # noqa: N802
-        self, request: inference_pb2.GenerateInlineRequest, context: grpc.aio.ServicerContext
+        self, request: Received, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """``Generate`` for a request in one message (a unary request): the same header served by the same code,
         without a pieces stream to read, so every tensor carries its bytes (in ``data``, or cut out of the
-        received bytes by ``core.wire`` into the call's wire views)."""
+        received bytes: ``request`` is the ``Received`` that ``request_parsers`` made of them)."""
         with self.admission.slot("GenerateInline"):
-            if not request.HasField("request"):
+            message: inference_pb2.GenerateInlineRequest = request.message
+            if not message.HasField("request"):
                 raise InvalidArgument("request: GenerateInline takes a header (completion or chat)",
                                       field="request", reason="REQUIRED")
-            header = request.request
-            _inline_only(header)
+            header = message.request
+            _inline_only(header, request)
             task = _task(header, "message")
-            async for event in self._answer(header, task, None):
+            async for event in self._answer(header, request, task, None):
                 yield event
 
-    async def _answer(self, header: inference_pb2.GenerateHeader, task: str,
+    async def _answer(self, header: inference_pb2.GenerateHeader, received: Received, task: str,
                       finished: Callable[[], Awaitable[None]] | None) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """The events answering ``header`` (Generate's and GenerateInline's): one whole completion or chat, or its
-        chunks. ``finished`` (a pieces stream's end) is awaited before the first chunk goes out: nothing is
-        answered before the client's stream ended within the rules."""
+        """The events answering ``header`` (Generate's and GenerateInline's), its tensors' bytes in ``received``:
+        one whole completion or chat, or its chunks. ``finished`` (a pieces stream's end) is awaited before the
+        first chunk goes out: nothing is answered before the client's stream ended within the rules."""
         if not header.stream:
             if task == "completion":
-                result = await self.domain.complete(_completion_request(header.completion))
+                result = await self.domain.complete(_completion_request(header.completion, received))
                 yield inference_pb2.GenerateResponse(completion=_response(inference_pb2.CompleteResponse, result))
             else:
-                result = await self.domain.chat(self._chat_request(header.chat))
+                result = await self.domain.chat(self._chat_request(header.chat, received))
                 yield inference_pb2.GenerateResponse(chat=_response(inference_pb2.ChatResponse, result))
             return
         if task == "completion":
-            stream = await self.domain.stream_complete(_completion_request(header.completion))
+            stream = await self.domain.stream_complete(_completion_request(header.completion, received))
             chunk, cls = "completion_chunk", inference_pb2.StreamCompleteResponse
         else:
-            stream = await self.domain.stream_chat(self._chat_request(header.chat))
+            stream = await self.domain.stream_chat(self._chat_request(header.chat, received))
             chunk, cls = "chat_chunk", inference_pb2.StreamChatResponse
         async for item in stream.items:
             if finished is not None:
@@ -123,11 +138,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 finished = None
             yield inference_pb2.GenerateResponse(**{chunk: _stream_message(cls, stream, item)})
 
-    def _chat_request(self, params: inference_pb2.ChatParams) -> ChatRequest:
+    def _chat_request(self, params: inference_pb2.ChatParams, received: Received) -> ChatRequest:
         """``_chat_request`` once the message count is within the limit (a request of 100,000 messages is refused
         before any of them is converted)."""
         self.domain.check_message_count(len(params.messages))
-        return _chat_request(params)
+        return _chat_request(params, received)
 
     def _generate_scan(self, header: inference_pb2.GenerateHeader) -> pieces.Scan | None:
         """A completion's one big prompt tensor is checked as it arrives and sent on (``_completion_scan``)."""
@@ -146,15 +161,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     @contextlib.asynccontextmanager
     async def _serving(self, arrival: pieces.Arrival) -> AsyncIterator[None]:
-        """Serve the request over the arrival's tensors — as the call's wire views (``tensors.to_numpy`` reads them
-        under the request's field names, ``prompt_embeds`` or ``messages[i].content[j]``) and, when scanned, as rows
-        still arriving — and end only once the client's stream ended within the rules. When that stream broke a
-        rule, that is the answer, whatever it made fail downstream."""
-        tensors.set_wire_views(arrival.views)
+        """Serve the request over the arrival's tensors (``Arrival.received``: by the request's field names,
+        ``prompt_embeds`` or ``messages[i].content[j]``, those still arriving marked so) and end only once the
+        client's stream ended within the rules. When that stream broke a rule, that is the answer, whatever it made
+        fail downstream."""
         try:
-            with pieces.arriving(arrival):
-                yield
-                await arrival.finished()
+            yield
+            await arrival.finished()
         except Exception:
             if arrival.error is not None and not isinstance(arrival.error, asyncio.CancelledError):
                 raise arrival.error from None
@@ -163,10 +176,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             arrival.cancel()
 
     def _completion_scan(self, params: inference_pb2.CompletionParams) -> pieces.Scan | None:
-        """For one prompt of one raw tensor of ``STREAM_MIN`` bytes or more, 2-D and already in the model's dtype
-        and hidden size, without a prefix: the NaN/Inf check its bytes pass as they arrive, so they go on to the
-        worker while the rest arrive (routed on their first blocks, ``pipeline.ROUTE_BYTES``). Anything else
-        waits for every byte, then takes the one-message path (None)."""
+        """For one prompt of one raw tensor of ``thresholds.FORWARD_MIN`` bytes or more, 2-D and already in the model's
+        dtype and hidden size, without a prefix: the NaN/Inf check its bytes pass as they arrive, so they go on to the
+        worker while the rest arrive (routed on their first blocks, ``thresholds.ROUTE_BYTES``). Anything else waits for
+        every byte, then takes the one-message path (None)."""
         if len(params.prompt_embeds) != 1 or params.HasField("prefix"):
             return None
         pe = params.prompt_embeds[0]
@@ -174,7 +187,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         shape = [int(d) for d in pe.tensor.shape]
         if pe.WhichOneof("source") != "tensor" or len(pe.tensor.data) or info is None or len(shape) != 2:
             return None
-        if shape[0] * shape[1] * info.numpy.itemsize < STREAM_MIN:
+        if shape[0] * shape[1] * info.numpy.itemsize < FORWARD_MIN:
             return None
         try:
             spec = self.domain.models.resolve(params.model, worker_pb2.MODEL_TASK_GENERATE).spec
@@ -245,23 +258,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 # --- proto -> domain ---------------------------------------------------------------------------------------------
 
 
-def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str) -> RawEmbeds:
-    """One PromptEmbeds as received; a raw tensor is read (and checked) by the domain, in the request's order."""
+def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str, received: Received) -> RawEmbeds:
+    """One PromptEmbeds as received (its bytes from ``received`` when they travelled apart from the message, by
+    ``field``); a raw tensor is read (and checked) by the domain, in the request's order."""
     kind = pe.WhichOneof("source")
     if kind == "tensor":
-        return RawEmbeds(tensor=pe.tensor)
+        return RawEmbeds(tensor=received.tensor(field, pe.tensor))
     if kind == "encoded":
-        views = tensors.wire_views()  # the bytes cut out of the received request (core.wire), if they were
-        view = views.get(field) if views and not pe.encoded.data else None
+        view = received.bytes_at(field) if not pe.encoded.data else None
         return RawEmbeds(encoded=view if view is not None else pe.encoded.data)
     if kind == "cache_id":
         return RawEmbeds(cache_id=pe.cache_id)
     return RawEmbeds()  # nothing set: refused by the domain under ``field``
-
-
-STREAM_MIN = 8 << 20
-"""A completion's prompt tensor sent as rows, of at least this many bytes, goes on to its worker while it arrives
-(see ``InferenceServicer._completion_scan``); smaller ones are assembled first."""
 
 
 def _completion_tensors(params: inference_pb2.CompletionParams) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
@@ -303,33 +311,32 @@ def _task(header: inference_pb2.GenerateHeader, transport: str) -> str:
     return task
 
 
-def _inline_only(header: inference_pb2.GenerateHeader) -> None:
+def _inline_only(header: inference_pb2.GenerateHeader, received: Received) -> None:
     """GenerateInline has no rows after its header: a raw tensor whose shape wants bytes and that carries none (in
     ``data``, or cut out of the received bytes) is refused by name, pointing at Generate."""
-    views = tensors.wire_views() or {}
     for path, tensor in _generate_tensors(header):
-        if len(tensor.data) or path in views or not tensor.shape or not all(d > 0 for d in tensor.shape):
+        if len(tensor.data) or path in received.views or not tensor.shape or not all(d > 0 for d in tensor.shape):
             continue  # bytes inline, or no rows to want (an odd shape is refused by name by the domain)
         raise InvalidArgument(
             f"{path}.data: GenerateInline takes every tensor's bytes inline; a tensor without data (its rows sent "
             f"after the header) needs Generate's pieces stream", field=f"{path}.data", reason="PIECES_NEED_GENERATE")
 
 
-def _completion_request(params: inference_pb2.CompletionParams) -> CompletionRequest:
+def _completion_request(params: inference_pb2.CompletionParams, received: Received) -> CompletionRequest:
     n = len(params.prompt_embeds)
     return CompletionRequest(
         model=params.model, sampling=params.sampling, n=params.n if params.HasField("n") else None,
         texts=list(params.prompts), token_prompts=[list(t.ids) for t in params.prompt_token_ids],
-        embeds=[_raw_embeds(pe, "prompt_embeds" if n == 1 else f"prompt_embeds[{i}]")
+        embeds=[_raw_embeds(pe, "prompt_embeds" if n == 1 else f"prompt_embeds[{i}]", received)
                 for i, pe in enumerate(params.prompt_embeds)],
-        prefix=_raw_embeds(params.prefix, "prompt_embeds_prefix") if params.HasField("prefix") else None,
+        prefix=_raw_embeds(params.prefix, "prompt_embeds_prefix", received) if params.HasField("prefix") else None,
         echo=params.echo, request_id=params.request_id)
 
 
-def _chat_part(part: inference_pb2.ChatContentPart, i: int, j: int) -> ChatPartRequest:
+def _chat_part(part: inference_pb2.ChatContentPart, i: int, j: int, received: Received) -> ChatPartRequest:
     kind = part.WhichOneof("kind")
     if kind == "prompt_embeds":
-        return ChatPartRequest(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]"))
+        return ChatPartRequest(embeds=_raw_embeds(part.prompt_embeds, f"messages[{i}].content[{j}]", received))
     if kind == "image":
         image = part.image
         return ChatPartRequest(image=ImageSource(url=image.url) if image.WhichOneof("source") != "data"
@@ -337,12 +344,12 @@ def _chat_part(part: inference_pb2.ChatContentPart, i: int, j: int) -> ChatPartR
     return ChatPartRequest(text=part.text)
 
 
-def _chat_request(params: inference_pb2.ChatParams) -> ChatRequest:
+def _chat_request(params: inference_pb2.ChatParams, received: Received) -> ChatRequest:
     return ChatRequest(
         model=params.model, sampling=params.sampling, n=params.n if params.HasField("n") else None,
         messages=[ChatMessageRequest(
             role=m.role, name=m.name, tool_call_id=m.tool_call_id,
-            parts=[_chat_part(part, i, j) for j, part in enumerate(m.parts)],
+            parts=[_chat_part(part, i, j, received) for j, part in enumerate(m.parts)],
             tool_calls=[(c.name, c.arguments) for c in m.tool_calls]) for i, m in enumerate(params.messages)],
         tools=tool_request_from_proto(params), request_id=params.request_id)
 

@@ -1,10 +1,10 @@
 """Big prompts to a worker: the request, then its embedding rows in pieces, as the frames of a
 ``WorkerService.GenerateMany`` call of its own (``worker/many.py`` has the worker's side and the rules).
 
-A request whose rows add up to ``CHUNKED_MIN`` bytes or more is sent this way (``ChunkedBody``): a start frame whose
-embeds tensors carry no ``data``, then ``rows`` frames of ``CHUNK_BYTES``. Each piece is copied once, just before
-gRPC sends it, instead of joining the whole request into one buffer first; the worker lays the rows out once,
-aligned. Its own call keeps the worker's shared stream (small requests) free while the rows are written.
+A request whose rows add up to ``thresholds.WORKER_PIECES_MIN`` bytes or more is sent this way (``ChunkedBody``): a
+start frame whose embeds tensors carry no ``data``, then ``rows`` frames of ``thresholds.PIECE_BYTES``. Each piece is
+copied once, just before gRPC sends it, instead of joining the whole request into one buffer first; the worker lays the
+rows out once, aligned. Its own call keeps the worker's shared stream (small requests) free while the rows are written.
 """
 
 from __future__ import annotations
@@ -12,19 +12,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-from embedmesh.core import wire
 from embedmesh.core.errors import EmbedmeshError
 from embedmesh.core.logs import get_logger
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.thresholds import PIECE_BYTES
 
-__all__ = ["CHUNKED_MIN", "CHUNK_BYTES", "ChunkedBody", "OWN_ID"]
+__all__ = ["ChunkedBody", "OWN_ID"]
 
 log = get_logger(__name__)
-
-CHUNKED_MIN = 1 << 20
-"""Rows of at least this many bytes go as rows frames after the request."""
-
-CHUNK_BYTES = 1 << 20
-"""Bytes of rows per frame (what the bench's bare client-streaming limit sends, too)."""
 
 OWN_ID = 1
 """The generation id on a GenerateMany call that carries one generation."""
@@ -33,7 +28,7 @@ OWN_ID = 1
 @dataclass(frozen=True)
 class ChunkedBody:
     """One generation's request without its rows (serialized, ``wire.chunked_segments``) and the rows. ``ready``:
-    rows still arriving from the client (``core.pieces``): ``await ready(n)`` until their first ``n`` bytes arrived
+    rows still arriving from the client (``transport.pieces``): ``await ready(n)`` until their first ``n`` bytes arrived
     and passed the checks (it raises the client stream's error instead if that stream broke a rule)."""
 
     request: bytes
@@ -52,7 +47,7 @@ class ChunkedBody:
 
     def _messages(self, trace_context: dict[str, str]) -> Iterator[bytes]:
         yield wire.frame_start(OWN_ID, self.request, trace_context)
-        for _, piece in wire.row_pieces(self.rows, CHUNK_BYTES):
+        for _, piece in wire.row_pieces(self.rows, PIECE_BYTES):
             yield wire.frame_rows(OWN_ID, piece)
 
     async def _arriving_messages(self, ready: Callable[[int], Awaitable[None]], trace_context: dict[str, str]
@@ -61,7 +56,7 @@ class ChunkedBody:
         ends this one short (the worker then refuses it as incomplete; the preprocessor answers with the client
         stream's own error)."""
         yield wire.frame_start(OWN_ID, self.request, trace_context)
-        for end, piece in wire.row_pieces(self.rows, CHUNK_BYTES):
+        for end, piece in wire.row_pieces(self.rows, PIECE_BYTES):
             try:
                 await ready(end)
             except EmbedmeshError:

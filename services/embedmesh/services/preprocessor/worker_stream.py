@@ -36,15 +36,11 @@ from embedmesh.core.mux import MuxSession, entry
 from embedmesh.core.server import plain_mesh_channel
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["WorkerStream", "Generation", "OwnGeneration", "MAX_STREAM_BODY", "GENERATE_MANY"]
+__all__ = ["WorkerStream", "Generation", "OwnGeneration", "GENERATE_MANY"]
 
 log = get_logger(__name__)
 
 GENERATE_MANY = "/embedmesh.worker.v1.WorkerService/GenerateMany"
-
-MAX_STREAM_BODY = 256 * 1024
-"""Requests larger than this (prompts with many embedding rows) go on a GenerateMany call of their own: on the
-shared stream they would hold up every other generation while they are written."""
 
 _FRAMES = worker_pb2.GenerateManyRequest.DESCRIPTOR.fields_by_name["frames"].number
 _GENERATE = worker_pb2.GenerateFrame.DESCRIPTOR.fields_by_name["generate"].number

@@ -17,15 +17,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import propagate
 
-from embedmesh.core import wire
 from embedmesh.core.errors import InvalidArgument, Unavailable
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import insecure_channel
 from embedmesh.core.tensors import DTYPE_NAMES
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.thresholds import SHARED_STREAM_MAX
 from embedmesh.services.preprocessor.config import WORKER_STREAMS
 from embedmesh.services.preprocessor.migration import MigrationLimits
 from embedmesh.services.preprocessor.worker_chunks import OWN_ID, ChunkedBody
-from embedmesh.services.preprocessor.worker_stream import GENERATE_MANY, MAX_STREAM_BODY, OwnGeneration, WorkerStream
+from embedmesh.services.preprocessor.worker_stream import GENERATE_MANY, OwnGeneration, WorkerStream
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 __all__ = ["WorkerHandle", "WorkerPool"]
@@ -55,10 +56,10 @@ class WorkerHandle:
     _many_raw: Any = field(default=None, repr=False)
 
     def generate_raw(self, body: bytes | ChunkedBody) -> Any:
-        """One generation of a request already serialized (``core.wire``), iterated like a ``Generation``: bytes on
+        """One generation of a request already serialized (``transport.wire``), iterated like a ``Generation``: bytes on
         the worker's shared GenerateMany stream when small; a ``ChunkedBody`` (big rows: a start frame, then rows
         frames), big bytes, or any request to a worker without a shared stream on a GenerateMany call of its own."""
-        if isinstance(body, bytes) and self.stream is not None and len(body) <= MAX_STREAM_BODY:
+        if isinstance(body, bytes) and self.stream is not None and len(body) <= SHARED_STREAM_MAX:
             return self.stream.generate(body)
         if self._many_raw is None:
             self._many_raw = self.channel.stream_stream(

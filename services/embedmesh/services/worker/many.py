@@ -4,7 +4,7 @@ cancel frames.
 A gRPC call costs far more than a message on an open stream (grpc.aio's call set-up, the client interceptors, the
 server's handler task): the preprocessor keeps one GenerateMany stream per worker and sends each small request on
 it as one start frame. A big prompt gets a stream of its own: a start frame whose embeds tensors carry no ``data``,
-then ``rows`` frames with their bytes (``core.pieces.expect``: laid out once, aligned, NaN/Inf-scanned piece by
+then ``rows`` frames with their bytes (``transport.pieces.expect``: laid out once, aligned, NaN/Inf-scanned piece by
 piece as they arrive; nothing past the worker's message size limit allocated). Its generation starts once every
 byte arrived. Each generation has its own checks and admission (``WorkerServicer.generate``), its own span parented
 by the frame's trace context and its own ``embedmesh_rpc_*{method="GenerateMany.generation"}`` counts; its error
@@ -32,11 +32,12 @@ import asyncio
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from embedmesh.core import pieces, tracebacks
+from embedmesh.core import tracebacks
 from embedmesh.core.errors import EmbedmeshError, InvalidArgument, Unavailable, to_status_message
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import Observed
-from embedmesh.core.wire import RowsFrame
+from embedmesh.core.transport import pieces
+from embedmesh.core.transport.wire import RowsFrame
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
@@ -120,7 +121,7 @@ class _Stream:
     async def _read(self, frames: AsyncIterator[worker_pb2.GenerateManyRequest]) -> None:
         try:
             async for message in frames:
-                if isinstance(message, RowsFrame):  # one rows frame, its bytes uncopied (core.wire)
+                if isinstance(message, RowsFrame):  # one rows frame, its bytes uncopied (core.transport.wire)
                     self._on_rows(message.id, message.data)
                 else:
                     for frame in message.frames:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import pieces, tensors
+from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.transport import pieces
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     FinishReason,

@@ -8,10 +8,11 @@ from typing import Any
 
 import grpc
 
-from embedmesh.core import pieces, tensors, wire
+from embedmesh.core import tensors
 from embedmesh.core.errors import EmbedmeshError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from embedmesh.core.logs import get_logger
 from embedmesh.core.server import MiB
+from embedmesh.core.transport import pieces, wire
 from embedmesh.services.worker.coalesce import coalesced
 from embedmesh.services.worker.engines.base import Engine
 from embedmesh.services.worker.lora_paths import default_lora_root, relative_to_root, resolve_adapter_path

@@ -206,7 +206,7 @@ def test_the_continuation_request_keeps_the_segments_and_carries_the_sent_ids() 
     seg = worker_pb2.PromptSegment()
     seg.token_ids.ids.extend([1, 2, 3])
     tail = seg.SerializeToString()
-    segments = b"\x12" + bytes([len(tail)]) + tail  # field 2 (segments), as core.wire writes them
+    segments = b"\x12" + bytes([len(tail)]) + tail  # field 2 (segments), as core.transport.wire writes them
     resume = Resume(ids=[7, 8, 9], migrations=1)  # the first try sent 3 of its 10
     new, body = continuation(req, req.SerializeToString() + segments, resume)
     assert isinstance(body, bytes)

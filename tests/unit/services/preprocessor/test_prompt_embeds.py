@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from embedmesh.core import tensors
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.transport.received import Received
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
 from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds, decode, read
 from embedmesh.tensor.v1 import tensor_pb2
@@ -27,12 +27,9 @@ def _saved(t: torch.Tensor) -> bytes:
 
 def test_read_takes_a_wire_tensor_as_a_view_of_the_request_bytes() -> None:
     received = bytearray(np.arange(16, dtype="<f4").tobytes())
-    tensors.set_wire_views({"prompt_embeds": memoryview(received)})
-    try:
-        msg = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2, 8])  # data cut out by core.wire
-        raw = read(RawEmbeds(tensor=msg), "prompt_embeds")
-    finally:
-        tensors.set_wire_views(None)
+    msg = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2, 8])  # data cut out of the received bytes
+    request = Received(msg, {"prompt_embeds": memoryview(received)})
+    raw = read(RawEmbeds(tensor=request.tensor("prompt_embeds", msg)), "prompt_embeds")
     assert raw.array is not None and raw.array.shape == (2, 8) and raw.dtype == tensor_pb2.DATA_TYPE_FP32
     assert np.shares_memory(raw.array, np.frombuffer(received, dtype=np.uint8))  # no copy
     with pytest.raises(InvalidArgument) as e:

@@ -34,12 +34,26 @@ async def _resolve(raw: RawEmbeds, field: str) -> np.ndarray:
     return raw.array
 
 
+class _Resolver:
+    """``resolve`` as ``build_prompts`` calls an ``EmbedsResolver``: whole rows, or rows with their arrival mark
+    (none here: every row is there)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    async def __call__(self, raw: RawEmbeds, field: str) -> np.ndarray:
+        return await self.fn(raw, field)  # type: ignore[no-any-return]
+
+    async def rows(self, raw: RawEmbeds, field: str) -> tuple[np.ndarray, None]:
+        return await self.fn(raw, field), None
+
+
 def _build(*, texts: list[str] = (), ids: list[list[int]] = (), embeds: list[np.ndarray] = (),  # type: ignore[assignment]
            max_tokens: int = 2, max_prompts: int = 8, prefix: np.ndarray | None = None,
            resolve: Any = _resolve) -> list[Prompt]:
     return asyncio.run(build_prompts(
         texts=list(texts), token_prompts=list(ids), embeds=[RawEmbeds(array=e) for e in embeds], spec=SPEC,
-        vocab_size=30, max_tokens=max_tokens, resolve=resolve, tokenizer=_Tok(), max_prompts=max_prompts,  # type: ignore[arg-type]
+        vocab_size=30, max_tokens=max_tokens, resolve=_Resolver(resolve), tokenizer=_Tok(), max_prompts=max_prompts,  # type: ignore[arg-type]
         prefix=None if prefix is None else RawEmbeds(array=prefix)))
 
 

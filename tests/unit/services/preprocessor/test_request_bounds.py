@@ -120,17 +120,20 @@ def test_the_servicer_counts_messages_before_converting_any(domain: InferenceDom
     from types import SimpleNamespace
 
     from embedmesh.core.errors import InvalidArgument
+    from embedmesh.core.transport.received import Received
     from embedmesh.inference.v1 import inference_pb2
     from embedmesh.services.preprocessor import servicer
 
     converted: list[int] = []
-    monkeypatch.setattr(servicer, "_chat_request", lambda params: converted.append(len(params.messages)))
+    monkeypatch.setattr(servicer, "_chat_request", lambda params, received: converted.append(len(params.messages)))
     domain.limits = Limits(max_n=4, max_prompts=3, max_embeds_bytes=1 << 20, max_messages=5)
     params = inference_pb2.ChatParams(model="base", messages=[inference_pb2.ChatMessage(role="user")] * 6)
     with pytest.raises(InvalidArgument) as info:
-        servicer.InferenceServicer._chat_request(SimpleNamespace(domain=domain), params)  # type: ignore[arg-type]
+        servicer.InferenceServicer._chat_request(SimpleNamespace(domain=domain), params,  # type: ignore[arg-type]
+                                                 Received(params))
     assert (info.value.field, info.value.reason) == ("messages", "TOO_MANY")
     assert converted == []
     del params.messages[5]
-    servicer.InferenceServicer._chat_request(SimpleNamespace(domain=domain), params)  # type: ignore[arg-type]
+    servicer.InferenceServicer._chat_request(SimpleNamespace(domain=domain), params,  # type: ignore[arg-type]
+                                             Received(params))
     assert converted == [5]

@@ -13,6 +13,7 @@ import pytest
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.transport.received import WireTensor
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
 from embedmesh.services.preprocessor.chat import ChatTemplate
 from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage
@@ -150,7 +151,7 @@ async def test_every_raw_tensor_is_read_before_the_prompts_are_counted(domain: I
     """A malformed tensor is named even when the request also has too many prompts (as before the split)."""
     broken = tensor_pb2.Tensor(dtype=tensor_pb2.DATA_TYPE_FP32, shape=[2, HIDDEN], data=b"\0" * 4)
     request = CompletionRequest("base", _sampling(), texts=["a", "b", "c"],
-                                embeds=[RawEmbeds(tensor=_rows(1)), RawEmbeds(tensor=broken)])
+                                embeds=[RawEmbeds(tensor=WireTensor(_rows(1))), RawEmbeds(tensor=WireTensor(broken))])
     err = await _refused(domain.completion_job(request))
     assert (err.field, err.reason) == ("prompt_embeds[1].data", "DATA_SIZE_MISMATCH")
     empty = CompletionRequest("base", _sampling(), texts=["a"], embeds=[RawEmbeds()])
@@ -160,21 +161,22 @@ async def test_every_raw_tensor_is_read_before_the_prompts_are_counted(domain: I
 
 async def test_embeddings_prompts_refuse_echo_and_prompt_logprobs(domain: InferenceDomain) -> None:
     err = await _refused(domain.completion_job(
-        CompletionRequest("base", _sampling(), embeds=[RawEmbeds(tensor=_rows(2))], echo=True)))
+        CompletionRequest("base", _sampling(), embeds=[RawEmbeds(tensor=WireTensor(_rows(2)))], echo=True)))
     assert (err.field, err.reason) == ("echo", "ECHO_WITH_EMBEDS")
     err = await _refused(domain.completion_job(
-        CompletionRequest("base", _sampling(prompt_logprobs=1), prefix=RawEmbeds(tensor=_rows(2)), texts=["x"])))
+        CompletionRequest("base", _sampling(prompt_logprobs=1), prefix=RawEmbeds(tensor=WireTensor(_rows(2))),
+                          texts=["x"])))
     assert (err.field, err.reason) == ("prompt_logprobs", "PROMPT_LOGPROBS_WITH_EMBEDS")
 
 
 async def test_a_raw_tensor_prompt_becomes_rows_and_the_prefix_goes_first(domain: InferenceDomain) -> None:
     job = await domain.completion_job(CompletionRequest("base", _sampling(max_tokens=4), n=2, texts=["hi"],
-                                                        prefix=RawEmbeds(tensor=_rows(3))))
+                                                        prefix=RawEmbeds(tensor=WireTensor(_rows(3)))))
     assert job.n == 2 and job.request_id.startswith("cmpl-")
     first = job.prompts[0].pieces[0]
     assert isinstance(first, np.ndarray) and first.shape == (3, HIDDEN)
     err = await _refused(domain.completion_job(
-        CompletionRequest("base", _sampling(max_tokens=4), embeds=[RawEmbeds(tensor=_rows(509))])))
+        CompletionRequest("base", _sampling(max_tokens=4), embeds=[RawEmbeds(tensor=WireTensor(_rows(509)))])))
     assert str(err) == "prompt_embeds: 509 rows + max_tokens 4 exceed the model's context of 512 positions"
 
 

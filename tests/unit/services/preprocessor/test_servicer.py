@@ -1,14 +1,14 @@
 """The servicer's proto <-> domain conversion (servicer.py): prompt_embeds named as clients number them, the
-bytes core.wire cut out of the request taken as they are, chat parts and tools carried unchecked to the domain,
-and results written back field for field; admission (``--max-inflight``) refuses at once past its bound."""
+bytes cut out of the request (a ``transport.Received``) taken as they are, chat parts and tools carried unchecked to
+the domain, and results written back field for field; admission (``--max-inflight``) refuses at once past its bound."""
 
 from __future__ import annotations
 
 import pytest
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import tensors
 from embedmesh.core.errors import Unavailable
+from embedmesh.core.transport.received import Received
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.preprocessor.pipeline import Usage
 from embedmesh.services.preprocessor.service import Choice, Completion, Stream
@@ -30,20 +30,17 @@ def test_completion_params_become_a_completion_request() -> None:
                        inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor()),
                        inference_pb2.PromptEmbeds(cache_id="emb-1"), inference_pb2.PromptEmbeds()])
     received = memoryview(b"serialized bytes")
-    tensors.set_wire_views({"prompt_embeds[1]": received})
-    try:
-        request = _completion_request(params)
-    finally:
-        tensors.set_wire_views(None)
+    request = _completion_request(params, Received(params, {"prompt_embeds[1]": received}))
     assert (request.model, request.n, list(request.texts), request.echo) == ("m", None, ["a"], True)
     assert [list(t) for t in request.token_prompts] == [[1, 2]]
     first, encoded, upload, empty = request.embeds
-    assert first.tensor == tensor and first.array is None  # read (and checked) later, by the domain
+    assert first.tensor is not None and first.tensor.header == tensor and first.array is None  # read later
+    assert first.tensor.data is None and first.tensor.arriving is None  # its bytes came inside the message
     assert encoded.encoded is received  # the view of the received request, not a copy
     assert upload.cache_id == "emb-1"
     assert (empty.tensor, empty.encoded, empty.array, empty.cache_id) == (None, None, None, "")
     assert request.prefix is None
-    with_n = _completion_request(inference_pb2.CompletionParams(model="m", n=3))
+    with_n = _completion_request(inference_pb2.CompletionParams(model="m", n=3), Received(None))
     assert with_n.n == 3
 
 
@@ -54,7 +51,7 @@ def test_chat_params_become_a_chat_request() -> None:
             inference_pb2.ChatContentPart(prompt_embeds=inference_pb2.PromptEmbeds(cache_id="emb-1"))]),
         inference_pb2.ChatMessage(role="assistant", tool_calls=[inference_pb2.ToolCall(name="f", arguments="{}")]),
     ], tools=[inference_pb2.Tool(name="f")], tool_choice=inference_pb2.ToolChoice(mode="required"))
-    request = _chat_request(params)
+    request = _chat_request(params, Received(params))
     user, assistant = request.messages
     assert user.parts[0].text == "hi" and user.parts[1].embeds is not None
     assert user.parts[1].embeds.cache_id == "emb-1"
@@ -67,7 +64,7 @@ def test_image_parts_become_image_sources() -> None:
         inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(url="data:image/png;base64,AAAA")),
         inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(data=b"\x89PNG")),
         inference_pb2.ChatContentPart(image=inference_pb2.ImageInput())])])
-    url, raw, empty = _chat_request(params).messages[0].parts
+    url, raw, empty = _chat_request(params, Received(params)).messages[0].parts
     assert url.image is not None and url.image.url == "data:image/png;base64,AAAA" and url.image.data is None
     assert raw.image is not None and raw.image.data == b"\x89PNG" and raw.image.url == ""
     assert empty.image is not None and empty.image.url == "" and empty.image.data is None  # refused as BAD_URL

@@ -1,7 +1,7 @@
 """Big prompts go to the worker as a GenerateMany call of their own, a start frame then rows frames
 (``preprocessor/worker_chunks.py``), on a real gRPC server: the pipeline sends prompts with at least
-``CHUNKED_MIN`` bytes of rows that way and smaller ones on the shared stream, the rows arrive as sent, and a worker
-that refuses a generation before reading all its rows still gets its own answer through."""
+``thresholds.WORKER_PIECES_MIN`` bytes of rows that way and smaller ones on the shared stream, the rows arrive as
+sent, and a worker that refuses a generation before reading all its rows still gets its own answer through."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import numpy as np
 from embedmesh.core.errors import from_rpc_error
 from embedmesh.core.sampling import SamplingParams
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.transport.thresholds import WORKER_PIECES_MIN as CHUNKED_MIN
 from embedmesh.services.preprocessor.pipeline import Job, Usage, run_job
 from embedmesh.services.preprocessor.prompts import Prompt
-from embedmesh.services.preprocessor.worker_chunks import CHUNKED_MIN
 from embedmesh.services.preprocessor.worker_stream import OwnGeneration
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.worker.servicer import WorkerServicer
@@ -109,7 +109,7 @@ def test_prompts_with_many_rows_go_as_chunks_and_others_as_before() -> None:
             assert worker.calls["with rows frames"] == 4  # two big prompts x n=2
             assert worker.calls["generation"] - 4 == 2  # the small prompt: one message each
             # one call per generation: the small prompt (rows in its request) is past the shared stream's
-            # MAX_STREAM_BODY too
+            # thresholds.SHARED_STREAM_MAX too
             assert worker.calls["GenerateMany"] == 4 + 2
             sent = sorted((r for r in worker.rows), key=len)
             assert len(sent) == 6
@@ -130,7 +130,7 @@ def test_a_stream_the_worker_refused_early_still_ends_with_the_workers_answer() 
         server, pool = await _serve(worker)
         try:
             handle = pool.workers[0]
-            from embedmesh.core import wire
+            from embedmesh.core.transport import wire
             from embedmesh.services.preprocessor.worker_chunks import ChunkedBody
 
             req = worker_pb2.GenerateRequest(request_id="r")

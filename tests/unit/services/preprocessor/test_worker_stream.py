@@ -18,8 +18,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core.errors import from_rpc_error
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.transport.thresholds import SHARED_STREAM_MAX as MAX_STREAM_BODY
 from embedmesh.services.preprocessor.pipeline import _one
-from embedmesh.services.preprocessor.worker_stream import MAX_STREAM_BODY, WorkerStream
+from embedmesh.services.preprocessor.worker_stream import WorkerStream
 from embedmesh.services.preprocessor.workers import WorkerPool
 from embedmesh.services.worker import many
 from embedmesh.services.worker.servicer import WorkerServicer

@@ -1,5 +1,5 @@
 """Big prompts on GenerateMany on a real gRPC server: a start frame whose embeds tensors carry no data, then ``rows``
-frames (``worker/many.py``, ``core.pieces.expect``, ``core.wire.parse_generate_many``): rows split anywhere reach
+frames (``worker/many.py``, ``pieces.expect``, ``wire.parse_generate_many``): rows split anywhere reach
 the engine exactly as sent, laid out aligned; the generation is then checked as any other; a generation that breaks
 a rule — rows before its start, a second start of a running id, too many or too few bytes, rows past the message
 limit, a bad shape, bytes that are not a message, no mesh token — ends with an error naming the field."""
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from embedmesh.core import tls, wire
+from embedmesh.core import tls
 from embedmesh.core.errors import from_rpc_error
 from embedmesh.core.server import Server, ServerOptions
+from embedmesh.core.transport import wire
 from embedmesh.services.worker.engines.base import EmbedsSegment, TokenSegment
 from embedmesh.services.worker.servicer import WorkerServicer
 from embedmesh.tensor.v1 import tensor_pb2
@@ -249,7 +250,7 @@ def test_rows_after_a_generation_started_end_it_and_silence_ends_one_still_owed_
     """Bytes past the shapes that come once the generation runs end it (TOO_MANY_BYTES, the engine aborts it); rows
     still owed with nothing arriving for ``pieces.IDLE_SECONDS`` end theirs (IDLE_TIMEOUT): neither waits for the
     stream to end."""
-    from embedmesh.core import pieces
+    from embedmesh.core.transport import pieces
 
     async def run() -> None:
         engine, server, channel = await _serve()

@@ -1,4 +1,4 @@
-"""Junk on the worker's GenerateMany from a mesh caller (``worker/many.py``, ``core.pieces.expect``), over real gRPC:
+"""Junk on the worker's GenerateMany from a mesh caller (``worker/many.py``, ``pieces.expect``), over real gRPC:
 a start declaring 2**40 bytes of rows is refused before anything is allocated, zero-length rows change nothing,
 rows for an id never started or already finished are refused by name without touching the other generation on the
 stream, and two big generations whose starts and rows interleave each get exactly their own bytes."""
@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
-from embedmesh.core import wire
 from embedmesh.core.errors import from_rpc_error, rpc_error_from_status
+from embedmesh.core.transport import wire
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 from tests.unit.services.worker.test_chunks import FP32, HIDDEN, _error, _raw_call, _request, _rows, _serve

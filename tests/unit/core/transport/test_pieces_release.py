@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from embedmesh.core import pieces
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.transport import pieces
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 

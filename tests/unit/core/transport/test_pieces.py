@@ -1,4 +1,4 @@
-"""``core.pieces.assemble`` on its own: bytes split anywhere land in each tensor in order (empty tensors and tensors
+"""``pieces.assemble`` on its own: bytes split anywhere land in each tensor in order (empty tensors and tensors
 that carry their own data need none), the limit counts every tensor together before anything is allocated, and
 each broken rule is an InvalidArgument naming the field."""
 
@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from embedmesh.core import pieces, wire
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.transport import pieces, wire
+from embedmesh.core.transport.received import Received
 from embedmesh.inference.v1 import inference_pb2
+from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.tensor.v1 import tensor_pb2
 
 FP32, FP16 = tensor_pb2.DATA_TYPE_FP32, tensor_pb2.DATA_TYPE_FP16
@@ -36,7 +38,8 @@ async def _stream(items: list[Any]) -> AsyncIterator[Any]:
 
 
 def _assemble(items: list[Any], max_bytes: int = 1 << 20) -> tuple[Any, dict[str, memoryview]]:
-    return asyncio.run(pieces.assemble(_stream(items), _tensors, max_bytes))
+    received = asyncio.run(pieces.assemble(_stream(items), _tensors, max_bytes))
+    return received.message, dict(received.views)
 
 
 def _first(request: inference_pb2.GenerateHeader) -> inference_pb2.GenerateRequest:
@@ -74,18 +77,18 @@ def test_rows_pieces_as_views_are_placed_like_messages() -> None:
 
 
 def test_a_header_with_tensors_cut_out_expects_rows_only_for_the_others() -> None:
-    a = np.arange(2048, dtype=np.float32).reshape(128, 16)  # inline: cut out of the received bytes (core.wire)
+    a = np.arange(2048, dtype=np.float32).reshape(128, 16)  # inline: cut out of the received bytes (transport.wire)
     b = np.arange(6, dtype=np.float32).reshape(2, 3)  # no data: its rows follow
     header = _request((FP32, [128, 16], a.tobytes()), (FP32, [2, 3], b""))
-    first = wire.REQUEST_PARSERS["/embedmesh.inference.v1.InferenceService/Generate"](
-        _first(header).SerializeToString())
-    assert isinstance(first, wire.WireRequest) and set(first.views) == {"prompt_embeds[0]"}
+    first = InferenceServicer.request_parsers["Generate"](_first(header).SerializeToString())
+    assert isinstance(first, Received) and set(first.views) == {"prompt_embeds[0]"}
 
     def tensors_of(h: inference_pb2.GenerateHeader) -> Iterator[tuple[str, tensor_pb2.Tensor]]:
         for i, pe in enumerate(h.completion.prompt_embeds):
             yield f"prompt_embeds[{i}]", pe.tensor
 
-    got, views = asyncio.run(pieces.assemble(_stream([first, _rows(b.tobytes())]), tensors_of, 1 << 20))
+    received = asyncio.run(pieces.assemble(_stream([first, _rows(b.tobytes())]), tensors_of, 1 << 20))
+    got, views = received.message, received.views
     assert got.completion.prompt_embeds[0].tensor.data == b""  # left in the view
     np.testing.assert_array_equal(np.frombuffer(views["prompt_embeds[0]"], np.float32).reshape(128, 16), a)
     np.testing.assert_array_equal(np.frombuffer(views["prompt_embeds[1]"], np.float32).reshape(2, 3), b)

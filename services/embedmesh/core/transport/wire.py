@@ -10,8 +10,8 @@ constructors would have built (tested field by field), so the receiver needs not
 
 Receiving, protobuf copies the rows twice more (into its arena when parsing, and into a new ``bytes`` when
 ``.data`` is read). ``split_generate_request`` cuts the tensors' ``data`` out of the received bytes instead: the
-rest parses as usual and each tensor's rows are a view of the received buffer (``tensors.to_numpy`` picks it up by
-field path). It handles only the plain shape of the message and leaves anything else to protobuf.
+rest parses as usual and each tensor's rows are a view of the received buffer, handed on by field path in a
+``received.Received``. It handles only the plain shape of the message and leaves anything else to protobuf.
 
     body = generate_request_bytes(header, pieces, dtype)   # header: GenerateRequest without segments
     call = channel.unary_stream(GENERATE, request_serializer=None, ...)(body)
@@ -25,14 +25,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from embedmesh.core import fastpath, tensors
+from embedmesh.core.transport.received import Received
+from embedmesh.core.transport.thresholds import ZERO_COPY_MIN
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["varint", "generate_request_bytes", "segment_parts", "WireRequest", "split_generate_request",
-           "split_generate_header", "parse_generate_request", "tensor_views", "set_tensor_views", "REQUEST_PARSERS",
-           "chunked_segments", "chunk_messages", "chunk_request_message", "chunk_rows_message", "row_pieces",
-           "RowsPiece", "parse_chunk", "UPLOAD_STREAMS", "frame_start", "frame_rows", "RowsFrame",
+__all__ = ["varint", "generate_request_bytes", "segment_parts", "split_generate_request", "split_generate_header",
+           "parse_message", "parse_generate_request", "chunked_segments", "chunk_messages", "chunk_request_message",
+           "chunk_rows_message", "row_pieces", "RowsPiece", "parse_chunk", "frame_start", "frame_rows", "RowsFrame",
            "parse_generate_many"]
 
 _LEN = 2  # wire type of length-delimited fields
@@ -131,7 +132,7 @@ _CHUNK_ROWS = _key(inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["rows
 
 
 def chunk_messages(request: bytes, rows: Sequence[memoryview], size: int) -> Iterator[bytes]:
-    """A pieces stream (``core.pieces``) as message bytes: the request (serialized, see ``chunked_segments``), then
+    """A pieces stream (``transport.pieces``) as message bytes: the request (serialized, see ``chunked_segments``), then
     the rows in pieces of ``size`` bytes. Each piece is copied once, when it is about to be sent (still in cache)."""
     yield chunk_request_message(request)
     for _, piece in row_pieces(rows, size):
@@ -160,24 +161,6 @@ def chunk_rows_message(piece: bytes | memoryview) -> bytes:
 
 
 # --- receiving: tensor bytes as views of the request bytes ----------------------------------------------------
-class WireRequest(NamedTuple):
-    """A request parsed with its tensors' ``data`` left out, and those bytes as views of the received buffer,
-    by field path (``segments[0].embeds``). ``core.server`` unwraps it for the handler and publishes the views
-    through ``tensor_views()``; ``tensors.to_numpy`` reads a tensor from there when the path matches."""
-
-    message: Any
-    views: dict[str, memoryview]
-
-
-def set_tensor_views(views: dict[str, memoryview] | None) -> None:
-    tensors.set_wire_views(views)
-
-
-def tensor_views() -> dict[str, memoryview] | None:
-    """The current call's tensor views (None outside a call parsed by ``parse_generate_request``)."""
-    return tensors.wire_views()
-
-
 class _Malformed(Exception):
     pass
 
@@ -236,7 +219,7 @@ _PE_SOURCES = {_PE_TENSOR: _DATA, _PE_ENCODED: _ENCODED_DATA, _PE_CACHE_ID: 0}
 """PromptEmbeds' oneof members -> the field holding their bytes (0: a cache id, kept as it is)."""
 
 
-def split_generate_request(raw: bytes) -> WireRequest | None:
+def split_generate_request(raw: bytes) -> Received | None:
     """``raw`` (a serialized GenerateRequest) with every embeddings tensor's ``data`` cut out and kept as a view;
     None when the bytes are not in the plain shape this handles (then the caller parses them as usual, which also
     words any error): every segment holds at most one ``embeds`` and no ``token_ids`` beside it, every tensor at
@@ -276,7 +259,7 @@ def split_generate_request(raw: bytes) -> WireRequest | None:
         message = worker_pb2.GenerateRequest.FromString(b"".join(parts))
     except Exception:  # noqa: BLE001 - anything odd (_Malformed included): the ordinary parser decides
         return None
-    return WireRequest(message, views)
+    return Received(message, views)
 
 
 def _cut_tensor(buf: memoryview, f: tuple[int, int, int, int, int], field: int,
@@ -335,7 +318,7 @@ def _split_params(buf: memoryview, start: int, end: int) -> tuple[bytes, dict[st
     return _key(_PARAMS) + varint(len(body)) + body + rest, views
 
 
-def split_generate_header(raw: bytes) -> WireRequest | None:
+def split_generate_header(raw: bytes) -> Received | None:
     """``split_generate_request`` for an ``InferenceService.Generate`` message holding a completion's header: the
     bytes of ``completion.prompt_embeds`` become views (see ``_split_params``), so a prompt sent inline in one
     message is not copied out of the received buffer. None unless the message is ``request`` alone, in its plain
@@ -352,46 +335,43 @@ def split_generate_header(raw: bytes) -> WireRequest | None:
         message = inference_pb2.GenerateRequest.FromString(_key(_GENERATE_HEADER) + varint(len(header)) + header)
     except Exception:  # noqa: BLE001 - anything odd: the ordinary parser decides (and words the error)
         return None
-    return WireRequest(message, views)
+    return Received(message, views)
 
 
-def _parser(cls: Any, split: Any) -> Any:
-    """A request deserializer for ``cls``: a ``WireRequest`` from ``split`` for requests big enough to carry tensors
-    (their bytes are not copied out of the received buffer), the plain message otherwise."""
-    def parse(raw: bytes) -> Any:
-        if len(raw) >= _ZERO_COPY_MIN and fastpath.enabled():  # off: protobuf's parser (core.fastpath)
+def parse_message(cls: Any, split: Callable[[bytes], Received | None]) -> Callable[[bytes], Received]:
+    """A request deserializer for ``cls`` giving a ``Received``: for requests big enough to carry tensors, what
+    ``split`` makes of them (their bytes are not copied out of the received buffer); else the plain message."""
+    def parse(raw: bytes) -> Received:
+        if len(raw) >= ZERO_COPY_MIN and fastpath.enabled():  # off: protobuf's parser (core.fastpath)
             out = split(raw)
             if out is not None:
                 return out
-        return cls.FromString(raw)
+        return Received(cls.FromString(raw))
 
     return parse
 
 
-parse_generate_request = _parser(worker_pb2.GenerateRequest, split_generate_request)
+parse_generate_request = parse_message(worker_pb2.GenerateRequest, split_generate_request)
 """A one-message ``GenerateRequest`` deserializer whose big tensors stay views of the received bytes."""
 
 
-_ZERO_COPY_MIN = 4096
-"""Below this size the ordinary parser is as fast (the scan is Python)."""
-
 class RowsPiece(NamedTuple):
-    """A pieces-stream message holding only ``rows`` (``core.pieces``): the bytes as a view of the received buffer."""
+    """A pieces-stream message holding only ``rows`` (``pieces``): the bytes as a view of the received buffer."""
 
     data: memoryview
 
 
-def parse_chunk(cls: Any, split: Callable[[bytes], WireRequest | None] | None = None) -> Callable[[bytes], Any]:
+def parse_chunk(cls: Any, split: Callable[[bytes], Received | None] | None = None) -> Callable[[bytes], Any]:
     """A request deserializer for a pieces stream of ``cls`` (``oneof part { request = 1; bytes rows = 2; }``): a
     message that is exactly one ``rows`` field becomes a ``RowsPiece`` (protobuf would copy the bytes twice: into
     its arena, then into a new ``bytes`` when the field is read); a big ``request`` message becomes the
-    ``WireRequest`` that ``split`` makes of it, if any (its inline tensors as views, ``core.pieces.start``);
+    ``Received`` that ``split`` makes of it, if any (its inline tensors as views, ``core.transport.pieces.start``);
     anything else is parsed by protobuf (which words its errors)."""
     assert _key(cls.DESCRIPTOR.fields_by_name["rows"].number) == _CHUNK_ROWS
     assert _key(cls.DESCRIPTOR.fields_by_name["request"].number) == _CHUNK_REQUEST  # chunk_messages writes any of them
 
     def parse(raw: bytes) -> Any:
-        if len(raw) >= _ZERO_COPY_MIN:
+        if len(raw) >= ZERO_COPY_MIN:
             if raw[:len(_CHUNK_ROWS)] == _CHUNK_ROWS:
                 buf = memoryview(raw)
                 try:
@@ -458,7 +438,7 @@ def _rows_frame(buf: memoryview) -> RowsFrame | None:
 def parse_generate_many(raw: bytes) -> Any:
     """``WorkerService.GenerateMany``'s request deserializer: a big message that is one ``rows`` frame becomes a
     ``RowsFrame`` (its bytes uncopied); anything else is parsed by protobuf (which words its errors)."""
-    if len(raw) >= _ZERO_COPY_MIN:
+    if len(raw) >= ZERO_COPY_MIN:
         try:
             frame = _rows_frame(memoryview(raw))
         except _Malformed:
@@ -466,23 +446,3 @@ def parse_generate_many(raw: bytes) -> Any:
         if frame is not None:
             return frame
     return worker_pb2.GenerateManyRequest.FromString(raw)
-
-
-_PIECES_STREAMS: dict[str, Any] = {
-    "/embedmesh.inference.v1.InferenceService/Generate": inference_pb2.GenerateRequest,
-}
-"""The methods that take a pieces stream (``core.pieces``), with their request message."""
-
-UPLOAD_STREAMS = frozenset(_PIECES_STREAMS)
-"""Methods whose request stream is an upload with an end (not a long-lived stream): like every client-streaming
-method, a refusal of one waits for the client to finish sending (``core.server``)."""
-
-REQUEST_PARSERS: dict[str, Any] = {
-    "/embedmesh.inference.v1.InferenceService/Generate": parse_chunk(inference_pb2.GenerateRequest,
-                                                                     split_generate_header),
-    "/embedmesh.inference.v1.InferenceService/GenerateInline": _parser(inference_pb2.GenerateInlineRequest,
-                                                                       split_generate_header),  # same bytes
-}
-"""Request deserializers ``core.server`` uses instead of protobuf's for these methods, for a service that does not
-hand its own to ``Server.add`` yet (the worker does: ``WorkerServicer.request_parsers``)."""
-

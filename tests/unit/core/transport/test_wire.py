@@ -1,4 +1,4 @@
-"""``core.wire``: request bytes written field by field parse as exactly the message protobuf's constructors build
+"""``transport.wire``: request bytes written field by field parse as exactly the message protobuf's constructors build
 (token and embeddings segments, every wire dtype, big and empty tensors), and the rows are copied once."""
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core import tensors, wire
+from embedmesh.core import tensors
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.received import Received
+from embedmesh.services.preprocessor.servicer import InferenceServicer
 from embedmesh.tensor.v1 import tensor_pb2
 from embedmesh.worker.v1 import worker_pb2
 
@@ -105,15 +108,11 @@ def test_received_tensors_become_views_of_the_request_bytes() -> None:
     assert split.message == expected
     assert bytes(split.views["segments[1].embeds"]) == a.tobytes()
     assert split.views["segments[1].embeds"].obj is raw
-    tensors.set_wire_views(split.views)
-    try:
-        got, _ = tensors.to_numpy(split.message.segments[2].embeds, field="segments[2].embeds")
-        assert np.array_equal(got, b)
-        # Another path, or a tensor that carries its own bytes, is read from the message as before.
-        other = tensors.from_numpy(a)
-        assert np.array_equal(tensors.to_numpy(other, field="segments[2].embeds")[0], a)
-    finally:
-        tensors.set_wire_views(None)
+    got, _ = split.tensor("segments[2].embeds", split.message.segments[2].embeds).read("segments[2].embeds")
+    assert np.array_equal(got, b)
+    # A tensor that carries its own bytes is read from the message as before.
+    other = tensors.from_numpy(a)
+    assert np.array_equal(split.tensor("segments[2].embeds", other).read("segments[2].embeds")[0], a)
 
 
 def test_odd_shapes_are_left_to_protobuf() -> None:
@@ -135,15 +134,17 @@ def test_odd_shapes_are_left_to_protobuf() -> None:
     assert wire.split_generate_request(b"\xff\xff\xff") is None  # malformed: protobuf words the error
     assert wire.split_generate_request(key + wire.varint(len(seg) + 10) + seg) is None  # truncated
     parsed = wire.parse_generate_request(doubled)
-    assert isinstance(parsed, worker_pb2.GenerateRequest) and len(parsed.segments) == 1
+    assert not parsed.views and len(parsed.message.segments) == 1
 
 
 def test_small_requests_parse_as_usual() -> None:
     raw, ref = _body([(1, 2, 3)])
-    assert wire.parse_generate_request(raw) == ref
+    parsed = wire.parse_generate_request(raw)
+    assert parsed.message == ref and not parsed.views
 
 
-_GENERATE = "/embedmesh.inference.v1.InferenceService/Generate"
+_PARSE = InferenceServicer.request_parsers["Generate"]
+"""The preprocessor's parser of Generate's messages (what ``Server.add`` installs for it)."""
 
 
 def _header(params: Any, stream: bool = False) -> Any:
@@ -164,8 +165,8 @@ def test_completion_headers_keep_raw_tensors_as_views_under_the_preprocessors_fi
             inference_pb2.PromptEmbeds(tensor=tensors.from_numpy(b))]), stream)
         req.request.completion.sampling.max_tokens = 4
         raw = req.SerializeToString()
-        split = wire.REQUEST_PARSERS[_GENERATE](raw)
-        assert isinstance(split, wire.WireRequest)
+        split = _PARSE(raw)
+        assert isinstance(split, Received)
         assert set(split.views) == {"prompt_embeds[0]", "prompt_embeds[1]", "prompt_embeds[2]"}
         assert bytes(split.views["prompt_embeds[1]"]) == b"PK\x03\x04zz"
         expected = inference_pb2.GenerateRequest()
@@ -182,7 +183,7 @@ def test_completion_headers_keep_raw_tensors_as_views_under_the_preprocessors_fi
         # the header twice (protobuf merges them): left to protobuf.
         twice = one.SerializeToString() * 2
         assert wire.split_generate_header(twice) is None
-        parsed = wire.REQUEST_PARSERS[_GENERATE](twice)
+        parsed = _PARSE(twice)
         assert isinstance(parsed, inference_pb2.GenerateRequest)
         assert len(parsed.request.completion.prompt_embeds) == 2
 
@@ -194,14 +195,14 @@ def test_other_generate_messages_parse_as_usual() -> None:
     chat = inference_pb2.GenerateRequest(request=inference_pb2.GenerateHeader(chat=inference_pb2.ChatParams(
         model="m", messages=[inference_pb2.ChatMessage(role="user", parts=[inference_pb2.ChatContentPart(
             prompt_embeds=inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=blob)))])])))
-    parsed = wire.REQUEST_PARSERS[_GENERATE](chat.SerializeToString())
+    parsed = _PARSE(chat.SerializeToString())
     assert parsed == chat
     rows = inference_pb2.GenerateRequest(rows=blob).SerializeToString()
-    piece = wire.REQUEST_PARSERS[_GENERATE](rows)
+    piece = _PARSE(rows)
     assert isinstance(piece, wire.RowsPiece) and bytes(piece.data) == blob
     small = _header(inference_pb2.CompletionParams(model="m", prompt_embeds=[
         inference_pb2.PromptEmbeds(encoded=tensor_pb2.EncodedTensor(data=b"tiny"))]))
-    assert wire.REQUEST_PARSERS[_GENERATE](small.SerializeToString()) == small
+    assert _PARSE(small.SerializeToString()) == small
 
 
 def test_serialized_tensors_from_the_gateway_become_views_too() -> None:

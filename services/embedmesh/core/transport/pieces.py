@@ -12,9 +12,9 @@ field happened to start).
 
 The stream (both messages have ``oneof part { request = 1; bytes rows = 2; }``): first ``request``, whose tensors
 that carry no ``data`` give their dtype and shape; then ``rows`` pieces holding those tensors' bytes in order, split
-anywhere. ``assemble`` checks the stream and returns the request with the bytes as views by field path, the way
-``core.wire`` gives a one-message request's tensors (``tensors.to_numpy`` reads them from there), so the request is
-then served exactly as the one-message method would serve it. A tensor that carries its own ``data`` is taken as it
+anywhere. ``assemble`` checks the stream and returns the request with the bytes as views by field path (a
+``received.Received``), the way ``wire`` gives a one-message request's tensors, so the request is then served exactly
+as the one-message method would serve it. A tensor that carries its own ``data`` is taken as it
 is; one whose dtype is unknown expects no bytes here and is refused by name by the ordinary checks afterwards.
 
 Refused with INVALID_ARGUMENT naming the field: a first message that is not a request (``request``, REQUIRED), a
@@ -27,27 +27,28 @@ allocated past the limit, and rows are allocated but not touched until their byt
 
 ``start`` returns as soon as the request arrived (an ``Arrival``: the bytes go on arriving in the background, and
 consumers ``wait`` for a prefix of a tensor); with a ``scan`` the bytes count as arrived only once checked, so
-consumers may use them before the stream ends (the preprocessor forwards a big prompt to its worker this way;
-``arriving`` / ``arrival_of`` let the code that builds on the rows know they are still arriving). ``assemble`` is
-``start`` and then waiting for every byte.
+consumers may use them before the stream ends (the preprocessor forwards a big prompt to its worker this way:
+``Arrival.received`` gives each such tensor with an ``Arriving`` mark, so the code that builds on its rows knows to
+wait for them). ``assemble`` is ``start`` and then waiting for every byte.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from contextvars import ContextVar
+import copy
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from embedmesh.core import tensors, tracebacks, wire
+from embedmesh.core import tensors, tracebacks
 from embedmesh.core.embeds import check_finite
 from embedmesh.core.errors import InvalidArgument
+from embedmesh.core.transport import wire
+from embedmesh.core.transport.received import Arriving, Received
 from embedmesh.tensor.v1 import tensor_pb2
 
-__all__ = ["assemble", "start", "expect", "Arrival", "arriving", "arrival_of", "finite_scan"]
+__all__ = ["assemble", "start", "expect", "Arrival", "finite_scan"]
 
 Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 """The tensors of a request, in the order their bytes follow it, each with its field path."""
@@ -56,7 +57,7 @@ Tensors = Callable[[Any], Iterable[tuple[str, tensor_pb2.Tensor]]]
 def _wanted(request: Any, tensors_of: Tensors, max_bytes: int,
             inline: dict[str, memoryview]) -> list[tuple[str, int, int]]:
     """(field path, byte count, element size) of every tensor whose bytes follow the request, in order; a tensor
-    whose bytes came in the request (``data``, or cut out of it by ``core.wire`` into ``inline``) is not one."""
+    whose bytes came in the request (``data``, or cut out of it by ``wire`` into ``inline``) is not one."""
     out: list[tuple[str, int, int]] = []
     total = 0
     for path, tensor in tensors_of(request):
@@ -101,7 +102,8 @@ class Arrival:
                  scan: Scan | None) -> None:
         self.request = request
         self.buffers = buffers
-        self.views = {path: memoryview(buf) for path, buf in buffers}
+        self.views: dict[str, memoryview] = {path: memoryview(buf) for path, buf in buffers}
+        self._index = {path: i for i, (path, _) in enumerate(buffers)}
         self._sizes = [buf.size for _, buf in buffers]
         self._itemsizes = itemsizes
         self._scan = scan
@@ -119,11 +121,38 @@ class Arrival:
         """Whether the bytes are checked as they arrive (then consumers may use them before the stream ends)."""
         return self._scan is not None
 
+    def size(self, index: int) -> int:
+        """Bytes tensor ``index`` needs."""
+        return self._sizes[index]
+
+    def arriving(self, path: str) -> Arriving | None:
+        """Tensor ``path`` as still arriving, when its bytes follow the request and are checked as they land (else
+        None: its bytes came with the request, or they are used only once every byte arrived)."""
+        index = self._index.get(path)
+        if index is None or self._scan is None or not self._sizes[index]:
+            return None
+        return Arriving(self, index)
+
+    def received(self) -> Received:
+        """The request with its tensors' bytes by field path (those that came with it and those that follow), the
+        ones still arriving marked so when they are checked as they land."""
+        return Received(self.request, self.views, self if self._scan is not None else None)
+
+    def _raise(self) -> None:
+        """Raise the arrival's error as a copy of its own: each waiter's frames join that copy's traceback, not the
+        stored error's (which would then hold them, and through them the arrival, in a cycle)."""
+        assert self.error is not None
+        try:
+            error = copy.copy(self.error)
+        except Exception:  # noqa: BLE001 - an error that cannot be copied is raised as it is
+            error = self.error
+        raise error.with_traceback(None)
+
     async def wait(self, index: int, n: int) -> None:
         """Until the first ``n`` bytes of tensor ``index`` arrived; raises the arrival's error if it failed."""
         while self._ready[index] < n:
             if self.error is not None:
-                raise self.error
+                self._raise()
             if self._task is not None and self._task.done():
                 raise ValueError(f"tensor {index} has {self._sizes[index]} bytes, not {n}")
             await self._changed.wait()
@@ -138,7 +167,7 @@ class Arrival:
                 self._task.cancel()
                 raise
         if self.error is not None:
-            raise self.error
+            self._raise()
 
     def cancel(self) -> None:
         if self._task is not None:
@@ -148,7 +177,7 @@ class Arrival:
         """End the arrival with ``error`` (kept for every waiter, without the frames it passed through) and let go
         of the buffers: nothing will read them."""
         self.error = tracebacks.drop(error)
-        self.buffers, self.views = [], {}
+        self.buffers, self.views, self._index = [], {}, {}
 
     def _pulse(self) -> None:
         self._changed.set()
@@ -181,7 +210,7 @@ class Arrival:
             except StopAsyncIteration:
                 break
             part = ("rows" if isinstance(message, wire.RowsPiece) else "request"
-                    if isinstance(message, wire.WireRequest) else message.WhichOneof("part"))
+                    if isinstance(message, Received) else message.WhichOneof("part"))
             if part == "request":
                 raise InvalidArgument("request: the stream carries one request", field="request",
                                       reason="DUPLICATE")
@@ -192,11 +221,10 @@ class Arrival:
             self._pulse()
         self._check_complete()
 
-    @property
-    def complete(self) -> bool:
-        """Every byte the tensors need has been placed."""
+    def _complete(self) -> bool:
+        """Every byte the tensors need has been placed (the slot moved past empty tensors first: they need none)."""
         while self._slot < len(self._sizes) and self._sizes[self._slot] == self._filled:
-            self._slot += 1  # empty tensors need no bytes
+            self._slot += 1
             self._filled = 0
         return self._slot == len(self._sizes)
 
@@ -207,7 +235,7 @@ class Arrival:
         while pos < len(piece):
             if self._slot == len(buffers):
                 raise InvalidArgument(
-                    f"rows: more bytes than the request's tensors need ({sum(b.size for _, b in buffers)})",
+                    f"rows: more bytes than the request's tensors need ({sum(self._sizes)})",
                     field="rows", reason="TOO_MANY_BYTES")
             buf = buffers[self._slot][1]
             take = min(buf.size - self._filled, len(piece) - pos)
@@ -220,7 +248,7 @@ class Arrival:
                 self._filled = 0
 
     def _check_complete(self) -> None:
-        if not self.complete:
+        if not self._complete():
             need = sum(self._sizes)
             got = sum(self._sizes[:self._slot]) + self._filled
             raise InvalidArgument(
@@ -232,7 +260,7 @@ class Arrival:
         """The next bytes of the tensors, from a stream read elsewhere (``expect``); a broken rule (too many bytes,
         the scan) ends the arrival with it, and raises it."""
         if self.error is not None:
-            raise self.error
+            self._raise()
         try:
             self._put(piece)
         except BaseException as e:
@@ -253,9 +281,9 @@ class Arrival:
     async def fed(self) -> None:
         """Until every byte was fed (``feed``); raises the arrival's error, or IDLE_TIMEOUT naming ``rows`` when no
         byte came for ``IDLE_SECONDS``."""
-        while not self.complete:
+        while not self._complete():
             if self.error is not None:
-                raise self.error
+                self._raise()
             changed = self._changed
             try:
                 async with asyncio.timeout(IDLE_SECONDS):
@@ -265,7 +293,7 @@ class Arrival:
                     f"rows: nothing arrived for {IDLE_SECONDS:g} s and the rows are not complete; send every row "
                     "without pauses", field="rows", reason="IDLE_TIMEOUT"))
         if self.error is not None:
-            raise self.error
+            self._raise()
 
 
 def expect(request: Any, tensors_of: Tensors, max_bytes: int, scan: Scan | None = None) -> Arrival | None:
@@ -283,7 +311,7 @@ async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: in
                 scan_for: Callable[[Any], Scan | None] | None = None) -> Arrival:
     """Read a pieces stream's request, allocate its tensors (nothing past ``max_bytes``) and go on reading their
     bytes in the background (see ``Arrival``). ``messages`` as ``wire.parse_chunk`` gives them: a first message
-    whose inline tensors were cut out (``wire.WireRequest``) has those bytes in ``Arrival.views`` too.
+    whose inline tensors were cut out (a ``Received``) has those bytes in ``Arrival.views`` too.
     ``scan_for(request)`` may return the check each tensor's bytes pass as they arrive (``Arrival.scanned`` says
     whether it did); it is asked only when some bytes follow the request."""
     it = messages.__aiter__()
@@ -293,8 +321,8 @@ async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: in
         raise InvalidArgument("request: the stream ended before its request", field="request",
                               reason="REQUIRED") from None
     inline: dict[str, memoryview] = {}
-    if isinstance(first, wire.WireRequest):
-        first, inline = first
+    if isinstance(first, Received):
+        first, inline = first.message, dict(first.views)
     if isinstance(first, wire.RowsPiece) or first.WhichOneof("part") != "request":
         raise InvalidArgument("request: the first message of the stream must be the request", field="request",
                               reason="REQUIRED")
@@ -308,13 +336,12 @@ async def start(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: in
     return arrival
 
 
-async def assemble(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int
-                   ) -> tuple[Any, dict[str, memoryview]]:
-    """The request of a pieces stream and its tensors' bytes by field path, once every byte arrived (see the
+async def assemble(messages: AsyncIterator[Any], tensors_of: Tensors, max_bytes: int) -> Received:
+    """The request of a pieces stream with its tensors' bytes by field path, once every byte arrived (see the
     module docstring). ``messages`` as ``wire.parse_chunk`` gives them: a rows-only message as a view of its bytes."""
     arrival = await start(messages, tensors_of, max_bytes)
     await arrival.finished()
-    return arrival.request, arrival.views
+    return Received(arrival.request, arrival.views)
 
 
 IDLE_SECONDS = 30.0
@@ -331,28 +358,3 @@ async def _next(it: AsyncIterator[Any], field: str) -> Any:
                               f"{'before the request' if field == 'request' else 'and the stream did not end'}; "
                               "send the whole stream without pauses, then close it", field=field,
                               reason="IDLE_TIMEOUT") from None
-
-
-_ARRIVING: ContextVar[dict[int, tuple[Arrival, int]] | None] = ContextVar("embedmesh_arriving", default=None)
-
-
-@contextlib.contextmanager
-def arriving(arrival: Arrival) -> Iterator[None]:
-    """While inside: arrays over ``arrival``'s tensors are known as still arriving (``arrival_of``), so what builds
-    on them waits for their bytes instead of reading them at once."""
-    token = _ARRIVING.set({buf.ctypes.data: (arrival, i) for i, (_, buf) in enumerate(arrival.buffers) if buf.size})
-    try:
-        yield
-    finally:
-        _ARRIVING.reset(token)
-
-
-def arrival_of(arr: np.ndarray) -> tuple[Arrival, int] | None:
-    """The scanned arrival and tensor index whose bytes ``arr`` covers from their start, if any (see ``arriving``)."""
-    known = _ARRIVING.get()
-    if not known:
-        return None
-    found = known.get(arr.ctypes.data)
-    if found is None or arr.nbytes > found[0]._sizes[found[1]] or not found[0].scanned:
-        return None
-    return found
