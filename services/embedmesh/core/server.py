@@ -35,6 +35,7 @@ from embedmesh.core import auth, inbound, tls, tracebacks
 from embedmesh.core.auth import Access
 from embedmesh.core.authz import Authorizer
 from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
+from embedmesh.core.health_bounds import BoundedHealth
 from embedmesh.core.logs import get_logger
 from embedmesh.core.telemetry import (
     RPC_IN_FLIGHT,
@@ -445,7 +446,7 @@ def add_public_health(server: grpc.aio.Server,
                       access_for: Callable[[str], Access] = _open_access) -> health.aio.HealthServicer:
     """Health on a client-facing port: open to probes, but at most ``inbound.OPEN_READS_PER_ADDRESS`` of its
     messages read at once per caller address and one over 4 KiB refused before it is parsed (core/inbound.py)."""
-    checks = health.aio.HealthServicer()
+    checks = BoundedHealth()  # Watch streams bounded per caller address and in all (core/health_bounds.py)
     health_pb2_grpc.add_HealthServicer_to_server(checks, _Registrar(server, access_for, False, read_after_auth=True))
     return checks
 
@@ -481,7 +482,7 @@ class Server:
             self._access[health.SERVICE_NAME] = Access.OPEN
             self.health = add_public_health(self._server, self._access_for)
         else:
-            self.health = health.aio.HealthServicer()
+            self.health = BoundedHealth()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._service_names: list[str] = []
         self.port = 0

@@ -376,3 +376,38 @@ async def test_a_compressed_message_is_refused_before_it_is_inflated_or_the_key_
         proc.wait()
 
 
+
+
+@pytest.mark.parametrize("public", [True, False])
+async def test_every_servers_health_bounds_watch_streams_per_caller(public: bool) -> None:
+    """The health service each Server (a public port and a mesh port alike) serves is ``BoundedHealth``: one caller
+    address holds at most ``WATCHES_PER_ADDRESS`` Watch streams; one more is refused at once, and a slot comes back
+    when a stream ends."""
+    from embedmesh.core.health_bounds import WATCHES_PER_ADDRESS
+
+    server = Server("watched", ServerOptions(port=0, grace_seconds=0.2, public=public))
+    await server.start()
+    await server.set_serving(True)
+    channel = insecure_channel(server.address)
+    stub = health_pb2_grpc.HealthStub(channel)
+    calls = []
+    try:
+        for _ in range(WATCHES_PER_ADDRESS):
+            call = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+            first = await call.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            calls.append(call)
+        extra = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await extra.read()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        calls.pop().cancel()
+        await asyncio.sleep(0.2)
+        again = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
+        calls.append(again)
+    finally:
+        for call in calls:
+            call.cancel()
+        await channel.close()
+        await server.drain()
