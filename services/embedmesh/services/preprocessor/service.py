@@ -1,13 +1,14 @@
 """The preprocessor's domain: what a completion, chat or embeddings request means, with no gRPC in sight.
 
-The servicer parses a protobuf request into one of the requests below, calls one method of ``InferenceDomain``
-and turns what comes back into protobuf. Everything in between happens here, in this order (the order decides
-which error a request with several faults gets, so keep it):
+The servicer parses a protobuf request into one of the requests below (plain dataclasses: its sampling already
+resolved by ``core.sampling.sampling_from_proto``, so the ranges every worker applies too are checked there, before
+anything here), calls one method of ``InferenceDomain`` and turns what comes back into protobuf. Everything in
+between happens here, in this order (the order decides which error a request with several faults gets, so keep it):
 
     model      ``ServedModels.resolve``: a name is required, served (a base model, or a LoRA adapter of one),
                and fit for the task (generation vs. embeddings); it brings the model's spec, tokenizer and chat
                template (one pair per served model)
-    sampling   ``sampling_from_proto`` (the rule the worker applies too), the model's vocabulary for logit_bias,
+    sampling   the model-dependent rules: the model's vocabulary for logit_bias (``check_sampling_for_model``),
                structured-output syntax; ``echo`` with log-probabilities scores the prompt
     n          ``1 <= n <= max_n``
     prompts    completions: ``prompts.build_prompts`` (text, token ids, ``prompt_embeds`` through the linear
@@ -32,9 +33,8 @@ from embedmesh.core.auth import current_principal, limiter
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.model_rules import check_sampling_for_model
-from embedmesh.core.sampling import SamplingParams, Structured, sampling_from_proto
+from embedmesh.core.sampling import SamplingParams, Structured
 from embedmesh.core.structured import check_structured
-from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.encoder_cache.tiered import TieredCache
 from embedmesh.services.preprocessor import prompt_embeds
 from embedmesh.services.preprocessor.chat import ChatMessage, ChatPart, ChatTemplate, build_chat_prompt, check_role
@@ -44,6 +44,7 @@ from embedmesh.services.preprocessor.pipeline import Delta, Job, Usage, run_job
 from embedmesh.services.preprocessor.prompt_embeds import EmbedsResolver, RawEmbeds
 from embedmesh.services.preprocessor.prompts import Tokenizer, build_prompts
 from embedmesh.services.preprocessor.tools import (
+    ToolCall,
     ToolParser,
     ToolRequest,
     call_text,
@@ -55,8 +56,8 @@ from embedmesh.services.router.route_client import Routes
 from embedmesh.vision.stage import ImageSource, VisionStage
 from embedmesh.worker.v1 import worker_pb2
 
-__all__ = ["MAX_MODEL_NAME", "MAX_REQUEST_ID", "Limits", "ServedModel", "ServedModels", "CompletionRequest",
-           "ChatPartRequest", "ChatMessageRequest",
+__all__ = ["MAX_MODEL_NAME", "MAX_REQUEST_ID", "Limits", "ModelInfo", "ServedModel", "ServedModels",
+           "CompletionRequest", "ChatPartRequest", "ChatMessageRequest",
            "ChatRequest", "Choice", "Completion", "Stream", "InferenceDomain"]
 
 
@@ -69,13 +70,31 @@ MAX_REQUEST_ID = 256
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What the domain reads of a base model's worker description (``GetInfo``), as plain values."""
+
+    model: str
+    task: int
+    """worker_pb2.ModelTask."""
+    vocab_size: int
+    hidden_size: int
+    max_context_tokens: int
+    dtype: int
+    """tensor_pb2.DataType of its prompt embeddings."""
+
+    @classmethod
+    def from_proto(cls, info: worker_pb2.GetInfoResponse) -> ModelInfo:
+        return cls(info.model, info.task, info.vocab_size, info.hidden_size, info.max_context_tokens, info.dtype)
+
+
+@dataclass(frozen=True)
 class ServedModel:
     """A requested model name resolved: the base model's worker description, its tokenizer and chat template, and
     the LoRA adapter when the name was one."""
 
     name: str
     """As the client named it (the adapter's name for an adapter)."""
-    info: worker_pb2.GetInfoResponse
+    info: ModelInfo
     tokenizer: Tokenizer
     template: ChatTemplate
 
@@ -117,7 +136,7 @@ class ServedModels:
             raise InvalidArgument(f"model: a name is at most {MAX_MODEL_NAME} characters, got {len(model)}",
                                   field="model", reason="TOO_LONG")
         base = self.pool.known_adapter(model) if model not in self.pool.models() else None
-        info = self.pool.spec(base if base is not None else model)
+        info = ModelInfo.from_proto(self.pool.spec(base if base is not None else model))
         if info.task == worker_pb2.MODEL_TASK_EMBED and task != worker_pb2.MODEL_TASK_EMBED:
             raise InvalidArgument(f"model: {model!r} is an embedding model; use /v1/embeddings", field="model",
                                   reason="WRONG_TASK")
@@ -147,8 +166,9 @@ class Limits:
 @dataclass(frozen=True)
 class CompletionRequest:
     model: str
-    sampling: common_pb2.SamplingParams
-    """Resolved after the model checks (``sampling_from_proto``, with ``echo`` allowing ``max_tokens: 0``)."""
+    sampling: SamplingParams
+    """Resolved by the caller (``sampling_from_proto``, with ``echo`` allowing ``max_tokens: 0``); the model's own
+    rules are applied after the model checks."""
     n: int | None = None
     texts: Sequence[str] = ()
     token_prompts: Sequence[Sequence[int]] = ()
@@ -180,7 +200,8 @@ class ChatMessageRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str
-    sampling: common_pb2.SamplingParams
+    sampling: SamplingParams
+    """Resolved by the caller (``sampling_from_proto``); the model's own rules are applied after the model checks."""
     messages: Sequence[ChatMessageRequest] = ()
     tools: ToolRequest = field(default_factory=ToolRequest)
     n: int | None = None
@@ -196,8 +217,10 @@ class Choice:
     token_ids: Sequence[int] = ()
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     logprobs: Sequence[common_pb2.TokenLogprob] = ()
+    """The workers' protobuf, passed through (docs/ARCHITECTURE.md, "Decisions taken here": a dataclass would cost
+    more than the rest of a token's path)."""
     prompt_logprobs: Sequence[common_pb2.TokenLogprob] = ()
-    tool_calls: Sequence[inference_pb2.ToolCall] = ()
+    tool_calls: Sequence[ToolCall] = ()
 
 
 @dataclass(frozen=True)
@@ -250,9 +273,8 @@ class InferenceDomain:
         job = await self.chat_job(request)
         return Stream(job.request_id, job.model, self._stream(job))
 
-    def _sampling(self, p: common_pb2.SamplingParams, model: ServedModel, *, echo: bool = False) -> SamplingParams:
-        """Resolve sampling and apply the model-dependent rules before any work (the worker applies them again)."""
-        sampling = sampling_from_proto(p, allow_zero_max_tokens=echo)
+    def _sampling(self, sampling: SamplingParams, model: ServedModel, *, echo: bool = False) -> SamplingParams:
+        """Apply the model-dependent rules to resolved sampling before any work (the worker applies them again)."""
         check_sampling_for_model(sampling, model.info.vocab_size)
         if sampling.structured is not None:
             check_structured(sampling.structured, _structured_field(sampling.structured))
@@ -448,7 +470,7 @@ class InferenceDomain:
         choices = []
         for i in range(count):
             text = (job.echo[i // job.n] if job.echo is not None else "") + "".join(texts[i])
-            calls: list[inference_pb2.ToolCall] = []
+            calls: list[ToolCall] = []
             if parser is not None:
                 text, calls = parser.parse(text)
             choices.append(Choice(i, text, token_ids[i], finish[i], logprobs[i], prompt_logprobs[i], calls))

@@ -17,6 +17,7 @@ import grpc
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.core.transport import pieces, wire
 from embedmesh.core.transport.received import Received
 from embedmesh.core.transport.thresholds import FORWARD_MIN
@@ -323,9 +324,12 @@ def _inline_only(header: inference_pb2.GenerateHeader, received: Received) -> No
 
 
 def _completion_request(params: inference_pb2.CompletionParams, received: Received) -> CompletionRequest:
+    """The domain's completion request: sampling resolved and range-checked here (``echo`` allows ``max_tokens:
+    0``), so a bad range is refused before the model is looked up."""
     n = len(params.prompt_embeds)
     return CompletionRequest(
-        model=params.model, sampling=params.sampling, n=params.n if params.HasField("n") else None,
+        model=params.model, sampling=sampling_from_proto(params.sampling, allow_zero_max_tokens=params.echo),
+        n=params.n if params.HasField("n") else None,
         texts=list(params.prompts), token_prompts=[list(t.ids) for t in params.prompt_token_ids],
         embeds=[_raw_embeds(pe, "prompt_embeds" if n == 1 else f"prompt_embeds[{i}]", received)
                 for i, pe in enumerate(params.prompt_embeds)],
@@ -345,8 +349,11 @@ def _chat_part(part: inference_pb2.ChatContentPart, i: int, j: int, received: Re
 
 
 def _chat_request(params: inference_pb2.ChatParams, received: Received) -> ChatRequest:
+    """The domain's chat request: sampling resolved and range-checked here (after the message count, before the
+    messages' roles, images and model are checked by the domain)."""
     return ChatRequest(
-        model=params.model, sampling=params.sampling, n=params.n if params.HasField("n") else None,
+        model=params.model, sampling=sampling_from_proto(params.sampling),
+        n=params.n if params.HasField("n") else None,
         messages=[ChatMessageRequest(
             role=m.role, name=m.name, tool_call_id=m.tool_call_id,
             parts=[_chat_part(part, i, j, received) for j, part in enumerate(m.parts)],
@@ -364,7 +371,8 @@ def _usage(u: Usage) -> common_pb2.Usage:
 
 def _choice_fields(c: Choice) -> dict[str, Any]:
     return {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-            "logprobs": c.logprobs, "prompt_logprobs": c.prompt_logprobs, "tool_calls": c.tool_calls}
+            "logprobs": c.logprobs, "prompt_logprobs": c.prompt_logprobs,
+            "tool_calls": [inference_pb2.ToolCall(id=t.id, name=t.name, arguments=t.arguments) for t in c.tool_calls]}
 
 
 def _stream_message(cls: Any, stream: Stream, item: Choice | Usage) -> Any:

@@ -21,8 +21,8 @@ from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import Structured
 from embedmesh.inference.v1 import inference_pb2
 
-__all__ = ["Tool", "ToolSpec", "ToolRequest", "tool_request_from_proto", "check_tools", "tools_from_proto",
-           "PARSERS", "ToolParser", "call_text", "tool_response_text"]
+__all__ = ["Tool", "ToolSpec", "ToolRequest", "ToolCall", "tool_request_from_proto", "check_tools",
+           "tools_from_proto", "PARSERS", "ToolParser", "call_text", "tool_response_text"]
 
 PARSERS = ("hermes",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -78,6 +78,16 @@ class ToolRequest:
     """Which tool_choice was set: "mode", "function", or None (unset)."""
     mode: str = "auto"
     function: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the model made, as ``ToolParser`` read it from the output (the servicer writes it as the proto)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
 
 
 def tool_request_from_proto(params: inference_pb2.ChatParams) -> ToolRequest:
@@ -158,7 +168,7 @@ class ToolParser:
         self.spec = spec
         self.names = {t.name for t in spec.tools}
 
-    def _call(self, raw: str) -> inference_pb2.ToolCall | None:
+    def _call(self, raw: str) -> ToolCall | None:
         try:
             obj = json_depth.loads(raw)
         except ValueError:
@@ -173,13 +183,13 @@ class ToolParser:
                 return None
         if not isinstance(args, dict):
             return None
-        return inference_pb2.ToolCall(id=_new_id(), name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+        return ToolCall(_new_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
-    def parse(self, text: str) -> tuple[str, list[inference_pb2.ToolCall]]:
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.spec.constrained:
             call = self._call(text.strip())
             return ("", [call]) if call is not None else (text, [])
-        calls: list[inference_pb2.ToolCall] = []
+        calls: list[ToolCall] = []
         kept: list[str] = []
         pos = 0
         for m in self._BLOCK.finditer(text):

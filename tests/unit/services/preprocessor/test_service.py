@@ -12,7 +12,7 @@ import pytest
 
 from embedmesh.common.v1 import common_pb2
 from embedmesh.core.errors import InvalidArgument
-from embedmesh.core.sampling import sampling_from_proto
+from embedmesh.core.sampling import SamplingParams, sampling_from_proto
 from embedmesh.core.transport.received import WireTensor
 from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
 from embedmesh.services.preprocessor.chat import ChatTemplate
@@ -88,8 +88,10 @@ def domain(folder: Any) -> InferenceDomain:
                            Limits(max_n=4, max_prompts=3, max_embeds_bytes=1 << 20))
 
 
-def _sampling(**kw: Any) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(**kw)
+def _sampling(*, echo: bool = False, **kw: Any) -> SamplingParams:
+    """Sampling as the servicer hands it to the domain: the request's proto resolved (``echo`` allowing
+    ``max_tokens: 0``)."""
+    return sampling_from_proto(common_pb2.SamplingParams(**kw), allow_zero_max_tokens=echo)
 
 
 def _rows(n: int) -> tensor_pb2.Tensor:
@@ -138,11 +140,14 @@ def test_embeddings_need_an_embedding_model(domain: InferenceDomain) -> None:
 
 
 async def test_the_model_is_checked_before_sampling_and_sampling_before_n(domain: InferenceDomain) -> None:
-    bad_sampling = _sampling(temperature=-1)
+    # Sampling's ranges are refused by the servicer's conversion (test_servicer.py); the domain keeps the rules that
+    # need the model: here a logit_bias token id past the vocabulary of 1000.
+    bad_sampling = _sampling(logit_bias={5000: 1.0})
     err = await _refused(domain.completion_job(CompletionRequest("nope", bad_sampling, n=99, texts=["x"])))
     assert err.field == "model"
     err = await _refused(domain.completion_job(CompletionRequest("base", bad_sampling, n=99, texts=["x"])))
-    assert err.field == "temperature"
+    assert (err.field, err.reason) == ("logit_bias", "TOKEN_OUT_OF_RANGE")
+    assert str(err) == "logit_bias: token id 5000 is outside the vocabulary [0, 1000)"
     err = await _refused(domain.completion_job(CompletionRequest("base", _sampling(), n=99, texts=["x"])))
     assert (str(err), err.field, err.reason) == ("n must be in [1, 4]", "n", "OUT_OF_RANGE")
 
@@ -201,7 +206,7 @@ async def test_chat_rules(domain: InferenceDomain) -> None:
 
 
 async def test_max_tokens_zero_echo_needs_no_worker(domain: InferenceDomain) -> None:
-    request = CompletionRequest("base", _sampling(max_tokens=0), n=2, token_prompts=[[1, 2, 3]], echo=True)
+    request = CompletionRequest("base", _sampling(max_tokens=0, echo=True), n=2, token_prompts=[[1, 2, 3]], echo=True)
     result = await domain.complete(request)
     assert [c.index for c in result.choices] == [0, 1]
     assert all(c.finish_reason == common_pb2.FINISH_REASON_LENGTH for c in result.choices)
@@ -214,7 +219,7 @@ async def test_max_tokens_zero_echo_needs_no_worker(domain: InferenceDomain) -> 
 
 
 def _job(**kw: Any) -> Job:
-    return Job("id-1", "base", [Prompt.of_ids((1, 2))], sampling_from_proto(_sampling()), kw.pop("n", 1),
+    return Job("id-1", "base", [Prompt.of_ids((1, 2))], _sampling(), kw.pop("n", 1),
                tensor_pb2.DATA_TYPE_FP32, **kw)
 
 

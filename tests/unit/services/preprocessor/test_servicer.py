@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from embedmesh.common.v1 import common_pb2
-from embedmesh.core.errors import Unavailable
+from embedmesh.core.errors import InvalidArgument, Unavailable
+from embedmesh.core.sampling import TEMPERATURE_RANGE, SamplingParams
 from embedmesh.core.transport.received import Received
 from embedmesh.inference.v1 import inference_pb2
 from embedmesh.services.preprocessor.pipeline import Usage
@@ -19,6 +20,7 @@ from embedmesh.services.preprocessor.servicer import (
     _response,
     _stream_message,
 )
+from embedmesh.services.preprocessor.tools import ToolCall
 from embedmesh.tensor.v1 import tensor_pb2
 
 
@@ -42,6 +44,37 @@ def test_completion_params_become_a_completion_request() -> None:
     assert request.prefix is None
     with_n = _completion_request(inference_pb2.CompletionParams(model="m", n=3), Received(None))
     assert with_n.n == 3
+
+
+def test_sampling_is_resolved_and_range_checked_at_the_servicer() -> None:
+    """The domain gets the plain ``SamplingParams`` (defaults applied); a range is refused here, before the model
+    is looked up, with the same field, reason and words as before."""
+    params = inference_pb2.CompletionParams(model="m", sampling=common_pb2.SamplingParams(max_tokens=5, top_k=3))
+    request = _completion_request(params, Received(params))
+    assert request.sampling == SamplingParams(max_tokens=5, top_k=3)
+    chat = _chat_request(inference_pb2.ChatParams(model="m"), Received(None))
+    assert chat.sampling == SamplingParams()
+    bad = common_pb2.SamplingParams(temperature=-1)
+    for convert in (lambda: _completion_request(inference_pb2.CompletionParams(model="nope", sampling=bad),
+                                                Received(None)),
+                    lambda: _chat_request(inference_pb2.ChatParams(model="nope", sampling=bad), Received(None))):
+        with pytest.raises(InvalidArgument) as e:
+            convert()
+        assert (str(e.value), e.value.field, e.value.reason) == (TEMPERATURE_RANGE, "temperature", "OUT_OF_RANGE")
+
+
+def test_max_tokens_zero_is_allowed_with_echo_only() -> None:
+    zero = common_pb2.SamplingParams(max_tokens=0)
+    echo = _completion_request(inference_pb2.CompletionParams(model="m", echo=True, sampling=zero), Received(None))
+    assert echo.sampling.max_tokens == 0
+    for params in (inference_pb2.CompletionParams(model="m", sampling=zero), inference_pb2.ChatParams(sampling=zero)):
+        with pytest.raises(InvalidArgument) as e:
+            if isinstance(params, inference_pb2.ChatParams):
+                _chat_request(params, Received(None))
+            else:
+                _completion_request(params, Received(None))
+        assert (str(e.value), e.value.field, e.value.reason) == ("max_tokens must be >= 1", "max_tokens",
+                                                                 "OUT_OF_RANGE")
 
 
 def test_chat_params_become_a_chat_request() -> None:
@@ -74,8 +107,8 @@ def test_image_parts_become_image_sources() -> None:
 def test_results_are_written_back_field_for_field() -> None:
     lp = common_pb2.TokenLogprob(token_id=1, logprob=-1.0)
     call = inference_pb2.ToolCall(id="call_1", name="f", arguments="{}")
-    result = Completion("id", "m", [Choice(0, "t", [1], common_pb2.FINISH_REASON_STOP, [lp], [lp], [call])],
-                        Usage(3, 1))
+    result = Completion("id", "m", [Choice(0, "t", [1], common_pb2.FINISH_REASON_STOP, [lp], [lp],
+                                           [ToolCall("call_1", "f", "{}")])], Usage(3, 1))
     out = _response(inference_pb2.CompleteResponse, result)
     assert out == inference_pb2.CompleteResponse(
         id="id", model="m", usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=1, total_tokens=4),
