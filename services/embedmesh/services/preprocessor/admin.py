@@ -55,6 +55,8 @@ class MeshAdmin:
         self.pool = pool
         self.routers = tuple(routers)
         self._router_health: list[health_pb2_grpc.HealthStub] = []
+        self._round: asyncio.Task[list[ServiceHealth]] | None = None
+        """The routers' health round in flight, shared by every caller that asks meanwhile."""
 
     # --- models -------------------------------------------------------------------------------------------------
     async def list_models(self) -> list[ServedModelEntry]:
@@ -206,6 +208,15 @@ class MeshAdmin:
         return [me, *workers, *routers]
 
     async def _routers_health(self) -> list[ServiceHealth]:
+        """Every router's health. ``GetMeshHealth`` is open to any caller (probes carry no key): callers that ask
+        while a round of Checks is in flight share it, so any number of them cost the routers one round at a time;
+        one that leaves does not cancel the others' answer, and nothing is kept after the round."""
+        if self._round is None:
+            self._round = asyncio.ensure_future(self._ask_routers())
+            self._round.add_done_callback(lambda _: setattr(self, "_round", None))
+        return await asyncio.shield(self._round)
+
+    async def _ask_routers(self) -> list[ServiceHealth]:
         if not self._router_health:
             self._router_health = [health_pb2_grpc.HealthStub(mesh_channel(a)) for a in self.routers]
 

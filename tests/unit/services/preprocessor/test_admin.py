@@ -104,3 +104,34 @@ async def test_mesh_health_verdict(workers: list[tuple[str, int, bool]], status:
     health = await MeshAdmin(pool).mesh_health()
     assert (health[0].service, health[0].status, health[0].detail) == ("preprocessor", status, detail)
     assert [h.name for h in health[1:]] == [n for n, _, _ in workers]
+
+
+async def test_concurrent_mesh_health_calls_share_one_round_of_router_checks() -> None:
+    """GetMeshHealth is open to any caller: 20 at once cost each router one Check, not 20; a caller that leaves does
+    not cancel the others' answer; the next call after the round asks again."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    class _Router:
+        def __init__(self) -> None:
+            self.checks = 0
+            self.release = asyncio.Event()
+
+        async def Check(self, request: Any, timeout: float) -> Any:  # noqa: N802
+            self.checks += 1
+            await self.release.wait()
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    router = _Router()
+    admin = MeshAdmin(_pool(_worker("w0", "m")), routers=["r0:1"])
+    admin._router_health = [router]  # type: ignore[list-item]
+    calls = [asyncio.ensure_future(admin.mesh_health()) for _ in range(20)]
+    await asyncio.sleep(0.05)
+    calls[0].cancel()  # one caller leaves while the round is in flight
+    router.release.set()
+    answers = await asyncio.gather(*calls[1:])
+    assert router.checks == 1
+    assert all([h.status for h in a] == ["serving", "serving", "serving"] for a in answers)
+    await admin.mesh_health()
+    assert router.checks == 2  # nothing kept after the round
