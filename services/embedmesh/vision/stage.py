@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -161,14 +161,34 @@ class VisionStage:
     def __init__(self, cache: TieredCache, *, limits: ImageLimits, folder_of: Callable[[str], Path | None],
                  encoder: str = "efficientnet-lite0", hosts: Sequence[str] = (), fetch_timeout_seconds: float = 10.0,
                  factory: Callable[[Path], Encoder] | None = None, projector: str | Path = "",
-                 model_folders: Sequence[Path] = (), remote: EncodeServiceClient | None = None) -> None:
-        """``projector``: the folder of ``dinov2``'s projector, checked here against each of ``model_folders``'
-        hidden size (start-up fails on a wrong file, naming it and the rule; the weights load on the first image).
-        ``remote``: encode through the encode service instead (no weights in this process; ``factory`` unused)."""
-        if encoder not in ENCODERS:
-            raise ValueError(f"image encoder must be one of {list(ENCODERS)}, got {encoder!r}")
+                 model_folders: Sequence[Path] = (), remote: EncodeServiceClient | None = None,
+                 kinds: Mapping[str, str] | None = None, projectors: Mapping[str, str | Path] | None = None,
+                 factories: Mapping[str, Callable[[Path], Encoder]] | None = None) -> None:
+        """``encoder``: the kind of every served model not in ``kinds`` (served model -> kind, its own encoder, e.g.
+        ``dinov2`` for one model and the soft prompt for the others, or ``off`` for one that takes no images).
+        ``projector``: the folder of ``dinov2``'s projector (``projectors``: per model), checked here against the
+        hidden size of each model it serves (start-up fails on a wrong file, naming it and the rule; the weights load
+        on the first image). ``remote``: encode the default kind through the encode service instead (no weights in
+        this process; models of another kind still encode here). ``factories``: per-model encoder builders (tests)."""
+        self.kinds = dict(kinds or {})
+        for model, kind in [("", encoder), *self.kinds.items()]:
+            if kind not in ENCODERS:
+                raise ValueError(f"image encoder{f' of model {model!r}' if model else ''} must be one of "
+                                 f"{list(ENCODERS)}, got {kind!r}")
+        projectors = dict(projectors or {})
         if factory is None and encoder != "off" and remote is None:
-            factory = encoder_factory(encoder, projector, model_folders)
+            own = {m for m, k in self.kinds.items() if k != encoder or m in projectors}
+            theirs = {folder_of(m) for m in own}  # a model with its own encoder is not checked against this one
+            factory = encoder_factory(encoder, projector, [f for f in model_folders if f not in theirs])
+        self._factories: dict[str, Callable[[Path], Encoder]] = {"": factory or soft_prompt_encoder}
+        """Encoder builders by recipe: "" for the default kind, a model's name for a model with its own."""
+        for model, kind in self.kinds.items():
+            if model in (factories or {}):
+                self._factories[model] = factories[model]  # type: ignore[index]
+            elif kind != "off" and (kind != encoder or model in projectors):
+                folder = folder_of(model)
+                self._factories[model] = encoder_factory(kind, projectors.get(model, projector),
+                                                         [folder] if folder is not None else [])
         self.remote = remote
         self._remotes: dict[str, RemoteEncoder] = {}
         """Served model -> the service's encoder for it (described once; dropped when the service fails)."""
@@ -178,12 +198,17 @@ class VisionStage:
         self.encoder = encoder
         self.hosts = tuple(hosts)
         self.fetch_timeout_seconds = fetch_timeout_seconds
-        self.factory = factory or soft_prompt_encoder
-        self._encoders: EncoderPool[Path, Encoder] = EncoderPool(self.factory, logger=log)
-        """Each folder's encoder; one that failed to load (missing packages, no embedding matrix) refused at once."""
+        self._encoders: EncoderPool[tuple[str, Path], Encoder] = EncoderPool(
+            lambda key: self._factories[key[0]](key[1]), logger=log)
+        """Each (recipe, folder)'s encoder; one that failed to load (missing packages, no embedding matrix) refused
+        at once."""
         self._running = asyncio.Lock()  # one encode at a time: the tower uses its own threads
         self._seen: OrderedDict[bytes, str] = OrderedDict()
         """BLAKE3 of an image file's bytes -> its pixel digest, for files decoded before (LRU, ``_SEEN``)."""
+
+    def kind_of(self, model: str) -> str:
+        """The image encoder kind that serves ``model`` (``off``: its image parts are refused)."""
+        return self.kinds.get(model, self.encoder)
 
     async def _remote_for(self, model: str, field: str) -> RemoteEncoder:
         assert self.remote is not None
@@ -193,18 +218,18 @@ class VisionStage:
         return enc
 
     async def _encoder_for(self, model: str, spec: ModelSpec, field: str) -> Encoder | RemoteEncoder:
-        if self.remote is not None:
+        if self.remote is not None and self.kind_of(model) == self.encoder and model not in self._factories:
             remote = await self._remote_for(model, field)
             if remote.hidden_size != spec.hidden_size:
                 raise InvalidArgument(f"{field}: the image encoder gives rows of {remote.hidden_size} values, model "
                                       f"{model!r} takes {spec.hidden_size}", field=field, reason="IMAGES_UNSUPPORTED")
             return remote
-        folder = self.folder_of(model) if self.encoder != "off" else None
+        folder = self.folder_of(model) if self.kind_of(model) != "off" else None
         if folder is None:
             raise InvalidArgument(f"{field}: this server has no image encoder for model {model!r}; send text or "
                                   "prompt_embeds parts", field=field, reason="IMAGES_UNSUPPORTED")
         try:
-            enc = await self._encoders.get(folder)
+            enc = await self._encoders.get((model if model in self._factories else "", folder))
         except EncoderBroken as e:
             raise FailedPrecondition(f"{field}: the image encoder for model {model!r} is not available on this "
                                      f"server ({e.why}); send text or prompt_embeds parts", field=field,
@@ -229,8 +254,9 @@ class VisionStage:
     async def rows(self, source: ImageSource, *, model: str, spec: ModelSpec, field: str,
                    max_tokens: int) -> np.ndarray:
         """Validated ``(rows, hidden)`` in the model dtype for one image part, checked against the context."""
-        if self.encoder == "off":
-            raise InvalidArgument(f"{field}: images are not accepted by this server (--image-encoder off)",
+        if self.kind_of(model) == "off":
+            setting = f"--model-image-encoders {model}=off" if model in self.kinds else "--image-encoder off"
+            raise InvalidArgument(f"{field}: images are not accepted for model {model!r} on this server ({setting})",
                                   field=field, reason="IMAGES_DISABLED")
         data = await self.image_bytes(source, field)
         # Bytes decoded here before map to their pixel digest: a repeated file skips decoding (the digest is the

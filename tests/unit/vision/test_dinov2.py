@@ -155,3 +155,24 @@ async def test_the_same_image_twice_is_encoded_once_and_projectors_never_share_r
     third = await other.rows(ImageSource(data=data), model="m", spec=spec, field=FIELD, max_tokens=8)
     assert _metric("embedmesh_image_encodes_total") - encodes == 2
     assert third.shape == first.shape and not np.allclose(third, first)
+
+
+async def test_one_model_on_dinov2_beside_the_soft_prompt_default(tmp_path: Path) -> None:
+    """``kinds``: model "d" gets DINOv2's 257 rows through its own projector, the others the default soft prompt."""
+    write_projector(tmp_path / "p", 5)
+    stage = VisionStage(TieredCache(CacheConfig(capacity_bytes=64 << 20)), limits=ImageLimits(),
+                        folder_of=lambda model: default_model_dir(), encoder="efficientnet-lite0",
+                        kinds={"d": "dinov2"}, projectors={"d": tmp_path / "p"}, model_folders=[default_model_dir()])
+    data = Path(str(importlib.metadata.distribution("scikit-image").locate_file("skimage/data/chelsea.png")))
+    spec = ModelSpec(hidden_size=SMOLLM2_HIDDEN, max_context_tokens=2048, dtype=tensor_pb2.DATA_TYPE_FP32)
+    vit = await stage.rows(ImageSource(data=data.read_bytes()), model="d", spec=spec, field=FIELD, max_tokens=8)
+    soft = await stage.rows(ImageSource(data=data.read_bytes()), model="m", spec=spec, field=FIELD, max_tokens=8)
+    assert vit.shape == (257, SMOLLM2_HIDDEN)
+    assert soft.shape[1] == SMOLLM2_HIDDEN and soft.shape[0] < 257
+
+
+def test_a_model_on_dinov2_without_a_projector_is_refused_at_start_up() -> None:
+    with pytest.raises(ValueError, match="needs --image-projector"):
+        VisionStage(TieredCache(CacheConfig(capacity_bytes=1 << 20)), limits=ImageLimits(),
+                    folder_of=lambda model: default_model_dir(), kinds={"d": "dinov2"},
+                    model_folders=[default_model_dir()])

@@ -222,3 +222,42 @@ async def test_a_second_replica_finds_the_rows_in_redis_and_does_not_encode() ->
         for cache in caches:
             await cache.close()
         server.close()
+
+
+async def test_each_served_model_has_its_own_encoder_kind() -> None:
+    """``kinds``: one model with its own encoder, one without images; the others keep the default's."""
+    other: list[CountingEncoder] = []
+
+    class WideEncoder(CountingEncoder):
+        name = "wide"
+
+        def encode(self, pixels: np.ndarray) -> np.ndarray:
+            self.calls += 1
+            return np.full((2, HIDDEN), 0.5, np.float32)
+
+    def own(folder: Path) -> CountingEncoder:
+        enc = WideEncoder(Path(f"{folder}-own"))
+        other.append(enc)
+        return enc
+
+    h = Harness(kinds={"text-only": "off", "vision": "efficientnet-lite0"}, factories={"vision": own})
+    image = url(png(11))
+    default = await h.stage.rows(image, model="m", spec=SPEC, field=FIELD, max_tokens=4)
+    mine = await h.stage.rows(image, model="vision", spec=SPEC, field=FIELD, max_tokens=4)
+    assert default.shape == (3, HIDDEN) and h.calls == 1  # the default's encoder
+    assert mine.shape == (2, HIDDEN) and np.all(mine == 0.5) and [e.calls for e in other] == [1]
+    assert h.stage.kind_of("m") == "efficientnet-lite0" and h.stage.kind_of("text-only") == "off"
+    with pytest.raises(InvalidArgument) as e:
+        await h.stage.rows(image, model="text-only", spec=SPEC, field=FIELD, max_tokens=4)
+    assert e.value.reason == "IMAGES_DISABLED" and e.value.field == FIELD
+    assert "--model-image-encoders text-only=off" in e.value.message
+    # The default "off" with one model taking images: only that model's parts are accepted.
+    h = Harness(encoder="off", kinds={"vision": "efficientnet-lite0"}, factories={"vision": own})
+    assert (await h.stage.rows(image, model="vision", spec=SPEC, field=FIELD, max_tokens=4)).shape == (2, HIDDEN)
+    with pytest.raises(InvalidArgument, match="--image-encoder off"):
+        await h.stage.rows(image, model="m", spec=SPEC, field=FIELD, max_tokens=4)
+
+
+def test_an_unknown_kind_for_a_model_fails_at_start_up_naming_it() -> None:
+    with pytest.raises(ValueError, match="image encoder of model 'x' must be one of"):
+        Harness(kinds={"x": "clip"})

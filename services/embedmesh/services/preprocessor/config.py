@@ -92,6 +92,14 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     from the served model's folder on the first image); ``dinov2`` = DINOv2-small's 257 patch tokens through the
     LLaVA-style projector in ``--image-projector`` (plumbing only unless that projector was trained for it);
     ``off`` = image parts are refused."""
+    model_image_encoders: tuple[tuple[str, str], ...] = option((), metavar="name=kind")
+    """(served model name, encoder kind) for models whose image encoder is not ``--image-encoder``'s
+    (``--model-image-encoders big=dinov2,text-only=off``): each served model gets rows of its own width from its own
+    tower and projector; an ``off`` model refuses image parts. A model listed here encodes in this process even when
+    ``--image-encoder-address`` is set (the encode service runs ``--image-encoder``'s kind)."""
+    model_image_projectors: tuple[tuple[str, str], ...] = option((), metavar="name=folder")
+    """(served model name, projector folder) for ``dinov2`` models whose projector is not ``--image-projector``'s
+    (a projector writes rows of one model's hidden size)."""
     image_encoder_address: tuple[str, ...] = option((), metavar="host:port")
     """Image encode services (``embedmesh.services.image_encoder``, comma-separated, round robin): a cache miss is
     encoded there instead of in this process (the cache key and every rule stay here; their rows are validated as
@@ -151,10 +159,29 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
         if self.image_encoder == "dinov2" and not self.image_projector and not self.image_encoder_address:
             raise ValueError("image_encoder dinov2 needs image_projector (a folder holding mm_projector.safetensors) "
                              "or image_encoder_address")
+        self._check_model_image_encoders()
         if self.migration_limit < 0 or self.migration_max_positions < 0:
             raise ValueError("migration_limit and migration_max_positions must be >= 0")
         if not self.drain_seconds >= 0:
             raise ValueError("drain_seconds must be >= 0")
+
+    def _check_model_image_encoders(self) -> None:
+        kinds = dict(self.model_image_encoders)
+        if len(kinds) != len(self.model_image_encoders):
+            raise ValueError("model_image_encoders names a model twice")
+        for model, kind in kinds.items():
+            if kind not in ("efficientnet-lite0", "dinov2", "off"):
+                raise ValueError(f"model_image_encoders: model {model!r}: kind must be one of efficientnet-lite0, "
+                                 f"dinov2, off; got {kind!r}")
+        projectors = dict(self.model_image_projectors)
+        for model in projectors:
+            if kinds.get(model, self.image_encoder) != "dinov2":
+                raise ValueError(f"model_image_projectors: model {model!r} does not use dinov2 (a projector is read "
+                                 "only by dinov2)")
+        for model, kind in kinds.items():
+            if kind == "dinov2" and not (projectors.get(model) or self.image_projector):
+                raise ValueError(f"model_image_encoders: model {model!r} uses dinov2 and needs a projector: "
+                                 f"--model-image-projectors {model}=<folder> or --image-projector")
 
     def _check_request_bounds(self) -> None:
         if self.max_n < 1 or self.max_prompts < 1:

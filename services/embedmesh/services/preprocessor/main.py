@@ -145,7 +145,8 @@ def vision_stage(config: PreprocessorConfig, cache: TieredCache, default_folder:
                        folder_of=lambda model: folders.get(model, Path(default_folder)), encoder=config.image_encoder,
                        hosts=config.image_url_hosts, fetch_timeout_seconds=config.image_fetch_timeout_seconds,
                        projector=config.image_projector, model_folders=[Path(default_folder), *folders.values()],
-                       remote=remote)
+                       remote=remote, kinds=dict(config.model_image_encoders),
+                       projectors=dict(config.model_image_projectors))
 
 
 def public_message_cap(config: PreprocessorConfig) -> int:

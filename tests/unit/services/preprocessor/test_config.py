@@ -39,6 +39,15 @@ def test_image_encode_services_and_dinov2_through_them_needs_no_local_projector(
         PreprocessorConfig(image_encoder="dinov2")
 
 
+def test_an_image_encoder_per_served_model() -> None:
+    c = PreprocessorConfig.from_args(["--model-image-encoders", "big=dinov2,text=off",
+                                      "--model-image-projectors", "big=/proj"], env={})
+    assert c.model_image_encoders == (("big", "dinov2"), ("text", "off"))
+    assert c.model_image_projectors == (("big", "/proj"),)
+    env = PreprocessorConfig.from_args([], env={"EMBEDMESH_PREPROCESSOR_MODEL_IMAGE_ENCODERS": "text=off"})
+    assert env.model_image_encoders == (("text", "off"),) and PreprocessorConfig().model_image_encoders == ()
+
+
 OLD = {"EMBEDMESH_WORKERS": "w:1,w:2", "EMBEDMESH_TOKENIZER": "/tok", "EMBEDMESH_MAX_EMBEDS_BYTES": "2048",
        "EMBEDMESH_MAX_MESSAGE_BYTES": str(8 << 20), "EMBEDMESH_CACHE_CAPACITY_BYTES": "0", "REDIS_URL": "redis://r",
        "EMBEDMESH_UPLOAD_TTL_SECONDS": "5", "EMBEDMESH_ROUTERS": "r:1", "EMBEDMESH_BLOCK_SIZE": "32",
@@ -84,6 +93,10 @@ def test_the_preprocessors_own_variable_beats_the_shared_one_and_a_flag_beats_bo
     (["--max-image-bytes", "10"], "max_image_bytes must be >= 1024 and max_image_pixels >= 1"),
     (["--max-image-pixels", "0"], "max_image_bytes must be >= 1024 and max_image_pixels >= 1"),
     (["--image-fetch-timeout-seconds", "0"], "image_fetch_timeout_seconds must be > 0"),
+    (["--model-image-encoders", "m=clip"], "model 'm': kind must be one of efficientnet-lite0, dinov2, off"),
+    (["--model-image-encoders", "m=off,m=dinov2"], "model_image_encoders names a model twice"),
+    (["--model-image-encoders", "m=dinov2"], "model 'm' uses dinov2 and needs a projector"),
+    (["--model-image-projectors", "m=/p"], "model 'm' does not use dinov2"),
 ])
 def test_bad_values_are_usage_errors_naming_the_setting(argv: list[str], needle: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,3 +105,12 @@ def test_health_follows_the_workers() -> None:
         task.cancel()
 
     asyncio.run(run())
+
+
+def test_the_vision_stage_takes_each_models_encoder_kind(tmp_path: Path) -> None:
+    from embedmesh.services.encoder_cache.tiered import CacheConfig, TieredCache
+
+    config = PreprocessorConfig.from_args(["--image-encoder", "off", "--model-image-encoders",
+                                           "seeing=efficientnet-lite0,blind=off"], env={})
+    stage = preprocessor_main.vision_stage(config, TieredCache(CacheConfig(capacity_bytes=1 << 20)), tmp_path)
+    assert [stage.kind_of(m) for m in ("seeing", "blind", "other")] == ["efficientnet-lite0", "off", "off"]
