@@ -95,8 +95,8 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     model_image_encoders: tuple[tuple[str, str], ...] = option((), metavar="name=kind")
     """(served model name, encoder kind) for models whose image encoder is not ``--image-encoder``'s
     (``--model-image-encoders big=dinov2,text-only=off``): each served model gets rows of its own width from its own
-    tower and projector; an ``off`` model refuses image parts. A model listed here encodes in this process even when
-    ``--image-encoder-address`` is set (the encode service runs ``--image-encoder``'s kind)."""
+    tower and projector; an ``off`` model refuses image parts. With ``--image-encoder-address``, a model of another
+    kind than ``--image-encoder``'s (or with its own projector) encodes in this process (the service runs that kind)."""
     model_image_projectors: tuple[tuple[str, str], ...] = option((), metavar="name=folder")
     """(served model name, projector folder) for ``dinov2`` models whose projector is not ``--image-projector``'s
     (a projector writes rows of one model's hidden size)."""
