@@ -10,7 +10,8 @@ cache key from the pixels and the encoder's identity, and validates the answered
            encoder_digest)      replica running other weights refuse instead of answering rows for another key
 
 Addresses are taken round robin; a replica that is down, overloaded (RESOURCE_EXHAUSTED), past the deadline or not
-connected within ``CONNECT_TIMEOUT_SECONDS`` is skipped for the next one, each tried at most once per image. When
+connected within ``CONNECT_TIMEOUT_SECONDS`` is skipped for the next one, each tried at most once per image; one that
+did not connect goes last for ``SLOW_REPLICA_SECONDS``. When
 none answers the image part is refused with UNAVAILABLE ``ENCODER_UNAVAILABLE`` naming the encoder and its addresses
 (HTTP 503), never INTERNAL.
 """
@@ -18,6 +19,7 @@ none answers the image part is refused with UNAVAILABLE ``ENCODER_UNAVAILABLE`` 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ from embedmesh.imageencoder.v1 import imageencoder_pb2, imageencoder_pb2_grpc
 from embedmesh.tensor.v1 import tensor_pb2
 
 __all__ = ["RemoteEncoder", "EncodeServiceClient", "DESCRIBE_TIMEOUT_SECONDS", "ENCODE_TIMEOUT_SECONDS",
-           "CONNECT_TIMEOUT_SECONDS"]
+           "CONNECT_TIMEOUT_SECONDS", "SLOW_REPLICA_SECONDS"]
 
 DESCRIBE_TIMEOUT_SECONDS = 120.0
 """GetInfo for a model builds its encoder on the service's first use (seconds; DINOv2's first conversion longer)."""
@@ -42,6 +44,10 @@ CONNECT_TIMEOUT_SECONDS = 3.0
 TCP but never speaks gRPC (hung, or not a gRPC server) would otherwise hold the call for gRPC's own connect timeout
 (about 20 s, until the server's HTTP/2 SETTINGS frame fails to come) before it is skipped; a live replica connects
 in milliseconds, even through TLS. A replica that refuses the connection is skipped at once, as before."""
+SLOW_REPLICA_SECONDS = 30.0
+"""How long a replica that did not connect within ``CONNECT_TIMEOUT_SECONDS`` goes to the end of the round-robin
+order: calls start on the replicas that connected, and the slow one is tried again first after this (or at once,
+when every other one fails), so a hung replica costs one call the bound, not every call whose turn it is."""
 _SKIP = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
 """Answers after which the next address is tried: down, draining, overloaded, too slow."""
 
@@ -74,11 +80,16 @@ class EncodeServiceClient:
         self._channels = [mesh_channel(a, max_message_bytes) for a in self.addresses]
         self._stubs = [imageencoder_pb2_grpc.ImageEncoderServiceStub(c) for c in self._channels]
         self._next = 0
+        self._slow_until = [0.0] * len(self.addresses)
+        """Per replica: until when (monotonic) it goes last, having not connected within the bound."""
 
     def _order(self) -> list[int]:
+        """Round robin, the replicas that were slow to connect lately moved last (in their round-robin order)."""
         start = self._next
         self._next = (self._next + 1) % len(self._stubs)
-        return [(start + i) % len(self._stubs) for i in range(len(self._stubs))]
+        now = time.monotonic()
+        rotation = [(start + i) % len(self._stubs) for i in range(len(self._stubs))]
+        return sorted(rotation, key=lambda i: self._slow_until[i] > now)
 
     def unavailable(self, field: str, why: str) -> Unavailable:
         return Unavailable(f"{field}: the image encoder {self.encoder} (service at {', '.join(self.addresses)}) is "
@@ -92,6 +103,7 @@ class EncodeServiceClient:
         for i in self._order():
             if not await self._connected(i):
                 why = f"{self.addresses[i]}: not connected within {CONNECT_TIMEOUT_SECONDS:g} s"
+                self._slow_until[i] = time.monotonic() + SLOW_REPLICA_SECONDS
                 continue
             try:
                 return await getattr(self._stubs[i], method)(request, timeout=timeout)

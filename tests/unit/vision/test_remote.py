@@ -294,3 +294,38 @@ async def test_only_hung_replicas_is_unavailable_naming_them_and_the_bound(monke
         assert a.accepted and b.accepted
     assert e.value.reason == "ENCODER_UNAVAILABLE" and e.value.field == FIELD
     assert a.address in str(e.value) and f"{b.address}: not connected within 0.3 s" in str(e.value)
+
+
+@pytest.mark.parametrize(("slow_seconds", "waits"), [(30.0, 1), (0.0, 2)])
+async def test_a_replica_slow_to_connect_goes_last_for_a_while(monkeypatch: pytest.MonkeyPatch, slow_seconds: float,
+                                                               waits: int) -> None:
+    """GetInfo and three Encodes over [hung, working]: the round robin starts on the hung replica twice. Moved last
+    after its first timeout, it costs the bound once; with no cool-down (the old order) every turn of it costs it."""
+    monkeypatch.setattr(remote, "CONNECT_TIMEOUT_SECONDS", 0.3)
+    monkeypatch.setattr(remote, "SLOW_REPLICA_SECONDS", slow_seconds)
+    timed_out: list[int] = []
+    real = remote.EncodeServiceClient._connected
+
+    async def counting(self: remote.EncodeServiceClient, i: int) -> bool:
+        ok = await real(self, i)
+        if not ok:
+            timed_out.append(i)
+        return ok
+
+    monkeypatch.setattr(remote.EncodeServiceClient, "_connected", counting)
+    encoders = ImageEncoders("counting", MeanEncoder, {"m": Path("/models/m")}.get, max_pixels=64 * 64, max_queue=4,
+                             models=("m",))
+    server = Server("image-encoder", ServerOptions(port=0, grace_seconds=0.2))
+    server.add(imageencoder_pb2_grpc.add_ImageEncoderServiceServicer_to_server, ImageEncoderServicer(encoders),
+               SERVICE_NAME)
+    await server.start()
+    async with HungPort() as hung:
+        s = stage(hung.address, server.address)
+        try:
+            for seed in (21, 22, 23):
+                assert (await rows(s, png(seed))).shape == (2, HIDDEN)
+        finally:
+            await s.remote.close()  # type: ignore[union-attr]
+            await server.drain()
+    assert encoders.encodes == 3
+    assert timed_out == [0] * waits
