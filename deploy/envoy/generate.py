@@ -52,22 +52,8 @@ _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 def load_mesh(path: Path = MESH) -> dict[str, Any]:
-    """The parsed mesh description (deploy/mesh.yaml), as the cluster runs it: ``cluster_services`` are services
-    like the others and each service's ``cluster_calls`` are more of its ``calls`` (the launcher, which starts only
-    ``services`` and their ``calls``, reads neither)."""
+    """The parsed mesh description (deploy/mesh.yaml): every service the cluster runs, under ``services``."""
     mesh: dict[str, Any] = yaml.safe_load(path.read_text())
-    return cluster_view(mesh)
-
-
-def cluster_view(mesh: dict[str, Any]) -> dict[str, Any]:
-    """``mesh`` with ``cluster_services`` merged into ``services`` and ``cluster_calls`` into ``calls``."""
-    extra = mesh.pop("cluster_services", None) or {}
-    clash = sorted(set(extra) & set(mesh["services"]))
-    if clash:
-        raise ValueError(f"mesh.yaml: {clash} are under both services and cluster_services")
-    mesh["services"] = {**mesh["services"], **extra}
-    for svc in mesh["services"].values():
-        svc["calls"] = [*svc.get("calls", []), *svc.pop("cluster_calls", [])]
     return mesh
 
 

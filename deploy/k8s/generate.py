@@ -360,22 +360,9 @@ def mtls_component(mesh: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def cluster_view(mesh: dict[str, Any]) -> dict[str, Any]:
-    """``mesh`` as the cluster runs it: ``cluster_services`` are services like the others, each service's
-    ``cluster_calls`` more of its ``calls`` (deploy/envoy/generate.py reads it the same way)."""
-    extra = mesh.pop("cluster_services", None) or {}
-    clash = sorted(set(extra) & set(mesh["services"]))
-    if clash:
-        raise ValueError(f"mesh.yaml: {clash} are under both services and cluster_services")
-    mesh["services"] = {**mesh["services"], **extra}
-    for svc in mesh["services"].values():
-        svc["calls"] = [*svc.get("calls", []), *svc.pop("cluster_calls", [])]
-    return mesh
-
-
 def render(mesh: dict[str, Any] | None = None) -> dict[str, str]:
     """Every generated file, by path inside deploy/k8s/."""
-    mesh = mesh or cluster_view(yaml.safe_load(MESH.read_text()))
+    mesh = mesh or yaml.safe_load(MESH.read_text())
 
     def dump(docs: list[dict[str, Any]]) -> str:
         return HEADER + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)

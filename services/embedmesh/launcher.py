@@ -135,7 +135,7 @@ class LauncherConfig(Settings, service="", prog="embedmesh", description=__doc__
     """Image encode services started (``embedmesh.services.image_encoder``, the preprocessor's
     ``--image-encoder-address``): an image cache miss is encoded there, round robin; 0 = inside the preprocessor.
     They run the preprocessor's encoder (EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER, _IMAGE_PROJECTOR) for its models."""
-    image_encoder_port: int = 50111
+    image_encoder_port: int = MESH["image-encoder"].port
     """First image encode service's port; further ones take the next ports."""
     vector_store_port: int = MESH["vector-store"].port
     """Vector store port (0 = none)."""
@@ -225,6 +225,7 @@ CALL_FLAGS: dict[tuple[str, str], str] = {
     ("vector-store", "preprocessor"): "--inference-addr",
     ("gateway", "preprocessor"): "--preprocessor",
     ("gateway", "vector-store"): "--vector-store",
+    ("preprocessor", "image-encoder"): "--image-encoder-address",
 }
 """The flag through which a caller learns its callee's addresses, for every call ``mesh.yaml`` lists (``calls``
 and ``registers_with``); a call without a flag here is refused when the launcher starts."""
@@ -240,8 +241,6 @@ class _Plan:
     spawn: Callable[..., subprocess.Popen[bytes]]
     addrs: dict[str, list[str]]
     procs: list[MeshProcess]
-    tokenizers: list[str]
-    """``name=folder`` for every model besides the default one: the preprocessor's tokenizer and template of it."""
 
     def callees(self, name: str, skip: tuple[str, ...] = ()) -> list[str]:
         """``--flag addr[,addr]`` for every started service ``name`` dials (mesh.yaml order), but ``skip``."""
@@ -278,15 +277,29 @@ def _start_router(p: _Plan) -> None:
         p.addrs["router"].append(addr)
 
 
+def _models(p: _Plan) -> list[str]:
+    """The generative models, each served by ``--workers`` workers: ``--model`` (repeated), else
+    EMBEDMESH_WORKER_MODEL, else the default one."""
+    return p.a.model or [p.env.get("EMBEDMESH_WORKER_MODEL", "default")]
+
+
+def _tokenizer_args(p: _Plan) -> list[str]:
+    """How the preprocessor (and each image encoder, which serves the same models) finds the models' tokenizers:
+    engines that load no model name their model as ``--tokenizer``; otherwise ``--model-tokenizers`` gives
+    ``name=folder`` for every model besides the default one (its tokenizer and template come from that folder)."""
+    models = _models(p)
+    if p.a.engine in NO_MODEL_ENGINES:
+        return ["--tokenizer", models[0]]
+    own = [f"{Path(m).name}={Path(m).resolve()}" for m in models if m not in ("default", "SmolLM2-135M-Instruct")]
+    return ["--model-tokenizers", ",".join(own)] if own else []
+
+
 def _start_workers(p: _Plan) -> None:
     a = p.a
-    models = a.model or [p.env.get("EMBEDMESH_WORKER_MODEL", "default")]
-    a.model = models[0]
+    models = _models(p)
     threads = a.worker_threads or max(1, (os.cpu_count() or 2) // (a.workers * len(models)))
     addrs = p.addrs.setdefault("worker", [])
     for m, i in ((m, j * a.workers + k) for j, m in enumerate(models) for k in range(a.workers)):
-        if m not in ("default", "SmolLM2-135M-Instruct") and i % a.workers == 0 and a.engine not in NO_MODEL_ENGINES:
-            p.tokenizers.append(f"{Path(m).name}={Path(m).resolve()}")
         addr = f"{a.host}:{a.worker_port + i}"
         args = ["--host", a.host, "--port", str(a.worker_port + i), "--engine", a.engine, "--model", m,
                 "--threads", str(threads), *p.callees("worker"), *p.metrics(10 + i)]
@@ -327,45 +340,30 @@ def _start_preprocessor(p: _Plan) -> None:
             *p.callees("preprocessor", skip=("router",) if a.embedded_router else ())]
     if a.embedded_router:
         args += ["--embedded-router"]
-    if a.engine in NO_MODEL_ENGINES:
-        args += ["--tokenizer", a.model]
-    if p.tokenizers:
-        args += ["--model-tokenizers", ",".join(p.tokenizers)]
+    args += _tokenizer_args(p)
     if a.lora_load_on_demand:
         args += ["--lora-load-on-demand"]
-    encoders = _start_image_encoders(p, args)
-    if encoders:
-        args += ["--image-encoder-address", ",".join(encoders)]
     env = {**p.env, "EMBEDMESH_ROUTER_MODE": a.router_mode} if a.embedded_router else None  # the router's mode
     p.start("preprocessor", "preprocessor", addr, args, env)
     p.addrs["preprocessor"] = [addr]
 
 
-IMAGE_ENCODER_MODULE = "embedmesh.services.image_encoder.main"
-"""Not in mesh.yaml (the cluster runs no image encoder yet: the services image has no torch); started beside the
-preprocessor only when ``--image-encoders`` asks."""
-
-
-def _start_image_encoders(p: _Plan, preprocessor_args: list[str]) -> list[str]:
-    """``--image-encoders`` encode services for the preprocessor's models (its ``--tokenizer`` and
-    ``--model-tokenizers`` in ``preprocessor_args``), running its encoder; their addresses."""
+def _start_image_encoders(p: _Plan) -> None:
+    """``--image-encoders`` encode services for the preprocessor's models, running its encoder (none with 0 or with
+    images off: the preprocessor then encodes in process, or refuses images)."""
     a = p.a
     encoder = p.env.get("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", "efficientnet-lite0")
     if not a.image_encoders or encoder == "off":
-        return []
-    models = [x for flag in ("--tokenizer", "--model-tokenizers") if flag in preprocessor_args
-              for x in (flag, preprocessor_args[preprocessor_args.index(flag) + 1])]
+        return
     projector = p.env.get("EMBEDMESH_PREPROCESSOR_IMAGE_PROJECTOR", "")
-    addrs = []
+    addrs = p.addrs.setdefault("image-encoder", [])
     for k in range(a.image_encoders):
         port = a.image_encoder_port + k
         addr = f"{a.host}:{port}"
-        args = ["--host", a.host, "--port", str(port), "--encoder", encoder, *models,
+        args = ["--host", a.host, "--port", str(port), "--encoder", encoder, *_tokenizer_args(p),
                 *(["--image-projector", projector] if projector else []), *(p.metrics(4 + k) if k < 5 else [])]
-        p.procs.append(MeshProcess(f"image-encoder-{k}", addr,
-                                   p.spawn(f"image-encoder-{k}", IMAGE_ENCODER_MODULE, args, p.env)))
+        p.start("image-encoder", f"image-encoder-{k}", addr, args)
         addrs.append(addr)
-    return addrs
 
 
 def _start_vector_store(p: _Plan) -> None:
@@ -390,7 +388,8 @@ def _start_gateway(p: _Plan) -> None:
 
 
 PORT_FLAGS = {"router": "--router-port", "worker": "--worker-port", "worker-embed": "--embed-worker-port",
-              "preprocessor": "--preprocessor-port", "vector-store": "--vector-store-port", "gateway": "--gateway-port"}
+              "preprocessor": "--preprocessor-port", "vector-store": "--vector-store-port", "gateway": "--gateway-port",
+              "image-encoder": "--image-encoder-port"}
 """The launcher flag that sets each mesh.yaml service's port (its default is that service's port in mesh.yaml); the
 e2e harness (tests/support/mesh.py) gives every service a free port through these."""
 
@@ -401,6 +400,7 @@ STARTERS: dict[str, Callable[[_Plan], None]] = {
     "preprocessor": _start_preprocessor,
     "vector-store": _start_vector_store,
     "gateway": _start_gateway,
+    "image-encoder": _start_image_encoders,
 }
 """How each service of mesh.yaml is started locally (a new service there needs a line here; ``check_mesh`` says
 so)."""
@@ -434,7 +434,7 @@ def start_mesh(a: argparse.Namespace, tls_env: dict[str, dict[str, str]] | None 
             own.pop("EMBEDMESH_MESH_TOKEN", None)  # least privilege: core/callers.py says who holds it
         return spawn_process(name, module, args, own, python)
 
-    plan = _Plan(a, env, _spawn, {}, [], [])
+    plan = _Plan(a, env, _spawn, {}, [])
     for name in check_mesh():
         STARTERS[name](plan)
     return plan.procs

@@ -4,6 +4,8 @@ runs, its port, its health name and which services it calls.
 The Kubernetes and Envoy generators (``deploy/k8s/generate.py``, ``deploy/envoy/generate.py``) read the same file;
 the launcher (``make run``) and the e2e harness (``tests/support/mesh.py``, through the launcher) start what it
 lists, in an order where every service starts after the ones it calls, and hand each caller its callees' addresses.
+One list serves both: a service the launcher runs only when a flag asks for it (the image encoder, the router
+process) is listed like the others, and its starter in ``launcher.STARTERS`` starts nothing otherwise.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ def _plan(argv: list[str]) -> list[tuple[str, str, list[str]]]:
         started.append((label, module, args))
         return _FakeProc()
 
-    plan = launcher._Plan(a, dict(os.environ), spawn, {}, [], [])
+    plan = launcher._Plan(a, dict(os.environ), spawn, {}, [])
     for name in launcher.check_mesh():
         launcher.STARTERS[name](plan)
     return started
@@ -226,16 +226,19 @@ def _arg(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_calls() -> None:
+def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """deploy/mesh.yaml is the one description: the launcher's default ports are its ports, every service in it
     starts (callees first) with its module, and each caller gets its callees' addresses."""
-    started = _plan(["--workers", "2", "--router-process"])
+    monkeypatch.delenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", raising=False)
+    started = _plan(["--workers", "2", "--router-process", "--image-encoders", "1"])
     by_label = {label: (module, args) for label, module, args in started}
-    assert [label for label, _, _ in started] == ["router", "worker-0", "worker-1", "embed-worker", "preprocessor",
-                                                 "vector-store", "gateway"]
+    assert [label for label, _, _ in started] == ["router", "worker-0", "worker-1", "embed-worker", "image-encoder-0",
+                                                 "preprocessor", "vector-store", "gateway"]
     mesh = launcher.MESH
     names = {"router": "router", "worker-0": "worker", "worker-1": "worker", "embed-worker": "worker-embed",
-             "preprocessor": "preprocessor", "vector-store": "vector-store", "gateway": "gateway"}
+             "image-encoder-0": "image-encoder", "preprocessor": "preprocessor", "vector-store": "vector-store",
+             "gateway": "gateway"}
     assert set(names.values()) == set(mesh)
     for label, (module, _) in by_label.items():
         assert module == mesh[names[label]].module
@@ -243,12 +246,14 @@ def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_cal
     assert _arg(by_label["router"][1], "--port") == str(mesh["router"].port)
     assert _arg(by_label["worker-0"][1], "--port") == str(mesh["worker"].port)
     assert _arg(by_label["embed-worker"][1], "--port") == str(mesh["worker-embed"].port)
+    assert _arg(by_label["image-encoder-0"][1], "--port") == str(mesh["image-encoder"].port) == "50111"
     pre = by_label["preprocessor"][1]
     assert _arg(pre, "--port") == str(mesh["preprocessor"].port)
     w = [f"127.0.0.1:{mesh['worker'].port}", f"127.0.0.1:{mesh['worker'].port + 1}",
          f"127.0.0.1:{mesh['worker-embed'].port}"]
     assert _arg(pre, "--workers") == ",".join(w)
     assert _arg(pre, "--routers") == f"127.0.0.1:{mesh['router'].port}"
+    assert _arg(pre, "--image-encoder-address") == f"127.0.0.1:{mesh['image-encoder'].port}"
     assert _arg(by_label["worker-1"][1], "--routers") == f"127.0.0.1:{mesh['router'].port}"
     assert "--routers" not in by_label["embed-worker"][1]
     assert _arg(by_label["vector-store"][1], "--inference-addr") == f"127.0.0.1:{mesh['preprocessor'].port}"
@@ -257,6 +262,21 @@ def test_the_launcher_starts_what_mesh_yaml_lists_on_its_ports_and_wires_its_cal
     assert _arg(gw, "--vector-store") == f"127.0.0.1:{mesh['vector-store'].port}"
     for name, flag in launcher.PORT_FLAGS.items():  # each port flag's default is that service's mesh.yaml port
         assert getattr(launcher.parse_args([]), flag[2:].replace("-", "_")) == mesh[name].port
+
+
+def test_default_flags_start_the_mesh_make_run_has_always_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mesh.yaml lists the image encoder and the router as services, yet ``make run`` with no flags starts neither:
+    the router runs inside the preprocessor and images are encoded there; no caller is handed their addresses."""
+    monkeypatch.delenv("EMBEDMESH_PREPROCESSOR_IMAGE_ENCODER", raising=False)
+    monkeypatch.delenv("EMBEDMESH_NUM_IMAGE_ENCODERS", raising=False)
+    started = _plan([])
+    assert [(label, module) for label, module, _ in started] == [
+        ("worker-0", "embedmesh.services.worker.main"), ("embed-worker", "embedmesh.services.worker.main"),
+        ("preprocessor", "embedmesh.services.preprocessor.main"),
+        ("vector-store", "embedmesh.services.vector_store.main"), ("gateway", "embedmesh.gateway.main")]
+    pre = dict((label, args) for label, _, args in started)["preprocessor"]
+    assert "--image-encoder-address" not in pre and "--routers" not in pre and "--embedded-router" in pre
+    assert _arg(pre, "--workers") == "127.0.0.1:50061,127.0.0.1:50091"
 
 
 def test_services_switched_off_are_not_started_nor_handed_to_callers() -> None:
@@ -364,6 +384,11 @@ def test_image_encoders_start_before_the_preprocessor_which_gets_their_addresses
         assert _arg(args, "--encoder") == "efficientnet-lite0"
         assert _arg(args, "--tokenizer") == _arg(by_label["preprocessor"][1], "--tokenizer")  # the same folder
     assert _arg(by_label["preprocessor"][1], "--image-encoder-address") == "127.0.0.1:7100,127.0.0.1:7101"
+    # Several models: each encoder gets the preprocessor's name=folder of every model besides the default one.
+    several = {label: args for label, _, args in _plan(["--image-encoders", "1", "--model", "/m/one", "--model",
+                                                        "default", "--model", "/m/two"])}
+    for label in ("preprocessor", "image-encoder-0"):
+        assert _arg(several[label], "--model-tokenizers") == "one=/m/one,two=/m/two", label
     default = _plan(["--engine", "echo"])  # 0: encoded inside the preprocessor, as make run has it
     assert not any(label.startswith("image-encoder") for label, _, _ in default)
     assert all("--image-encoder-address" not in args for _, _, args in default)

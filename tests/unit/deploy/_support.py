@@ -39,7 +39,7 @@ def tool(name: str) -> str:
 
 @functools.cache
 def mesh() -> dict[str, Any]:
-    """deploy/mesh.yaml as the generators read it (``cluster_services`` among the services)."""
+    """deploy/mesh.yaml as the generators read it."""
     data: dict[str, Any] = load_script("envoy/generate.py").load_mesh()
     return data
 

@@ -79,7 +79,8 @@ def test_drift_check_notices_a_hand_edit(tmp_path: Path) -> None:
 
 def test_one_config_per_service_and_a_loopback_variant() -> None:
     names = {p.stem for p in envoy_configs() if p.parent.name == "generated"}
-    assert names == set(mesh()["services"])
+    assert names == set(mesh()["services"]) == {"gateway", "preprocessor", "router", "worker", "worker-embed",
+                                                "vector-store", "image-encoder"}
     assert {p.stem for p in envoy_configs() if p.parent.name == "mtls"} == names
     assert (DEPLOY / "envoy" / "generated" / "loopback" / f"{mesh()['loopback']['service']}.yaml").is_file()
 
@@ -200,6 +201,9 @@ def test_every_loopback_address_an_app_dials_is_its_own_egress() -> None:
             assert port in listeners and listeners[port]["name"].startswith("egress_"), (name, port)
         assert {f"egress_{c}" for c in svc.get("calls", [])} == {
             listeners[p]["name"] for p in dialed}, name
+    pre = {listener["name"]: listener["address"]["socket_address"]["port_value"]
+           for listener in _config("preprocessor")["static_resources"]["listeners"]}
+    assert pre["egress_image-encoder"] == 15111  # the preprocessor's --image-encoder-address
 
 
 def test_admin_stays_on_loopback_and_stats_are_exposed() -> None:

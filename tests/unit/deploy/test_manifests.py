@@ -103,6 +103,25 @@ def test_one_workload_and_service_per_mesh_service(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_image_encoder_is_a_deployment_the_preprocessor_reaches_through_its_sidecar(overlay: str) -> None:
+    """The encode stage runs in the cluster like every other service (mesh.yaml lists it among them, though the
+    launcher starts it only when asked): its Deployment from worker-hf, its headless Service, and the preprocessor
+    dialling its own sidecar's egress for it."""
+    docs = render(overlay)
+    assert {"gateway", "preprocessor", "worker", "worker-embed", "vector-store", "image-encoder"} <= set(
+        by_kind(docs, "Deployment"))
+    enc = by_kind(docs, "Deployment")["image-encoder"]
+    app = _app("image-encoder", enc)
+    assert app["image"].split(":")[0] == "embedmesh/worker-hf"
+    assert app["command"] == ["python3", "-m", "embedmesh.services.image_encoder.main"]
+    assert app["args"][app["args"].index("--port") + 1] == "50111"
+    assert app["readinessProbe"]["grpc"]["service"] == "embedmesh.imageencoder.v1.ImageEncoderService"
+    assert "image-encoder-headless" in by_kind(docs, "Service")
+    pre = _app("preprocessor", workloads(docs)["preprocessor"])["args"]
+    assert pre[pre.index("--image-encoder-address") + 1] == "127.0.0.1:15111"  # egress_base + 50111 % 1000
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_grpc_workloads_probe_their_health_name_and_drain(overlay: str) -> None:
     found = workloads(render(overlay))
     for name in grpc_services():
