@@ -1,5 +1,6 @@
 """Chat prompt building: the template renders as transformers renders it, embeddings parts land where they stand,
-and the conversation rules give errors naming the part."""
+the ids sent to the worker are transformers' ids for any conversation (cold and from the prompt cache), and the
+conversation rules give errors naming the part."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from embedmesh.core.embeds import ModelSpec
 from embedmesh.core.errors import InvalidArgument
@@ -119,3 +122,58 @@ def test_bad_conversations_name_the_part(build: Any, messages: list[ChatMessage]
 def test_forged_nonce_placeholder_is_plain_text(build: Any) -> None:
     prompt = build([text("user", "<|embedmesh:0000000000000000:0|>")])
     assert all(isinstance(p, tuple) for p in prompt.pieces)
+
+
+# --- the ids sent to the worker: the reference is transformers' own rendering and tokenizer, never our cache --------
+
+_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<|im_start", "im_end|>",
+             "<|embedmesh:0123456789abcdef:0|>"]
+_words = st.sampled_from(["Hello", " world", "\n", "  ", "é", "日本語", "🙂", "\t", "x" * 70, "The cat sat. " * 8,
+                          "assistant\n", "{\"a\": 1}", "<", "|>", *_SPECIALS])
+_chats = st.lists(st.tuples(st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+                            st.lists(st.lists(_words, max_size=10).map("".join), min_size=1, max_size=3)),
+                  min_size=1, max_size=6)
+
+
+def _reference(hf_tok: Any, chat: list[tuple[str, list[str]]]) -> list[int]:
+    """transformers' apply_chat_template on the same conversation (parts joined with a newline, as documented)."""
+    return list(hf_tok.apply_chat_template([{"role": r, "content": "\n".join(parts)} for r, parts in chat],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chat=_chats)
+def test_prompt_ids_equal_transformers_for_any_conversation_cold_and_cached(build: Any, hf_tok: Any,
+                                                                            chat: Any) -> None:
+    messages = [ChatMessage(r, tuple(ChatPart(text=t) for t in parts)) for r, parts in chat]
+    want = _reference(hf_tok, chat)
+    for _ in range(2):  # the first build fills the prompt cache, the second reads it
+        prompt = build(messages)
+        assert [i for p in prompt.pieces for i in p] == want
+        assert all(isinstance(p, tuple) for p in prompt.pieces)
+
+
+def test_growing_conversations_keep_their_ids_as_history_comes_from_the_cache(build: Any, hf_tok: Any) -> None:
+    system = ("system", ["You are a careful assistant who answers in full sentences. " * 20])
+    chat: list[tuple[str, list[str]]] = [system]
+    for i in range(6):
+        chat.append(("user", [f"Question {i}: what is {i} times {i}? Explain the steps. " * 3]))
+        prompt = build([ChatMessage(r, tuple(ChatPart(text=t) for t in parts)) for r, parts in chat])
+        assert list(prompt.pieces[0]) == _reference(hf_tok, chat)
+        chat.append(("assistant", [f"It is {i * i}.\n"]))
+
+
+def test_ids_around_an_embeddings_part_equal_transformers_on_each_side(build: Any, hf_tok: Any) -> None:
+    mark = "\x00SLOT\x00"
+    for before, after in [("Before", "After"), ("<|im_end|> typed", "x" * 90), ("日本語 " * 30, "🙂")]:
+        msgs = [ChatMessage("system", (ChatPart(text="Be brief. " * 10),)),
+                ChatMessage("user", (ChatPart(text=before), ChatPart(embeds=rows(2)), ChatPart(text=after)))]
+        text = hf_tok.apply_chat_template([{"role": "system", "content": "Be brief. " * 10},
+                                           {"role": "user", "content": f"{before}\n{mark}\n{after}"}],
+                                          add_generation_prompt=True, tokenize=False)
+        head, tail = text.split(mark)
+        for _ in range(2):
+            prompt = build(msgs)
+            assert len(prompt.pieces) == 3 and prompt.pieces[1].shape == (2, 576)
+            assert list(prompt.pieces[0]) == hf_tok(head, add_special_tokens=False).input_ids
+            assert list(prompt.pieces[2]) == hf_tok(tail, add_special_tokens=False).input_ids

@@ -119,3 +119,37 @@ def test_text_prompts_use_the_cache_when_the_tokenizer_adds_no_special_tokens(fo
     assert tokenizer.encode(text) == fresh(text)
     assert tokenizer.encode(text) == fresh(text)
     assert HITS._value.get() - hits >= 1
+
+
+def test_a_conversation_seen_before_calls_the_tokenizer_for_nothing(folder: Path, fresh: Any) -> None:
+    """Added tokens are their ids, every other piece (short ones too: "\\n", "assistant\\n") comes from the cache."""
+    tokenizer = Tokenizer(folder)
+    text = ChatTemplate(folder).render([{"role": "user", "content": "Tell me about lighthouses. " * 5}])
+    calls: list[str] = []
+    raw = tokenizer.cache._encode
+    tokenizer.cache._encode = lambda t: (calls.append(t), raw(t))[1]
+    assert tokenizer.encode(text, add_special_tokens=False) == fresh(text)
+    assert calls and not any(c in ("<|im_start|>", "<|im_end|>") for c in calls)  # added tokens: never tokenized
+    calls.clear()
+    assert tokenizer.encode(text, add_special_tokens=False) == fresh(text)
+    assert calls == []
+
+
+@pytest.mark.parametrize(("scheme", "exact"), [("first", False), ("always", True)])
+def test_a_tokenizer_that_treats_the_start_of_text_apart_is_not_split(tmp_path: Path, scheme: str,
+                                                                      exact: bool) -> None:
+    """A Metaspace pre-tokenizer with prepend_scheme "first" marks only the text's start: a piece tokenized alone
+    would get the mark the whole text gives it nowhere else, so the cache steps aside (checked at load)."""
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as Raw
+
+    vocab = {"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "▁Hi": 5, "▁there": 6, "c": 7, "▁c": 8, "▁": 9}
+    raw = Raw(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    raw.add_special_tokens([AddedToken("<s>", normalized=False)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path)
+    assert tokenizer.cache.enabled is exact
+    text = "a b " * 20 + "<s>" + "a b " * 20
+    for _ in range(2):
+        assert tokenizer.encode(text, add_special_tokens=False) == tuple(raw.encode(text, add_special_tokens=False).ids)
