@@ -45,12 +45,19 @@ class Arriving(NamedTuple):
 @dataclass(frozen=True)
 class WireTensor:
     """One tensor as a request carried it: ``header`` (its dtype and shape; its ``data`` when the bytes came inside
-    the message), ``data`` (the bytes when they travelled apart from the message), ``arriving`` (set while those
-    bytes are still arriving)."""
+    the message), ``data`` (the bytes when they travelled apart from the message), ``arriving`` (set when those
+    bytes follow the message on a pieces stream that checks them as they land: wait for them before reading
+    values)."""
 
     header: tensor_pb2.Tensor
     data: memoryview | None = None
     arriving: Arriving | None = None
+
+    @property
+    def scanned(self) -> bool:
+        """Whether its bytes passed the pieces stream's scan as they landed (only such bytes carry an ``Arriving``
+        mark, which stays once they all arrived): a reader that applies the scan's rule need not scan them again."""
+        return self.arriving is not None
 
     def read(self, field: str) -> tuple[np.ndarray, int]:
         """The tensor as an array over its bytes (bf16 as uint16 bits) and its dtype, checked by name ``field``
@@ -74,7 +81,3 @@ class Received:
         data = self.views.get(path)
         arriving = self.arrival.arriving(path) if self.arrival is not None and data is not None else None
         return WireTensor(header, data, arriving)
-
-    def bytes_at(self, path: str) -> memoryview | None:
-        """The bytes cut out of the message at ``path`` (a serialized tensor's, say), if they were."""
-        return self.views.get(path)

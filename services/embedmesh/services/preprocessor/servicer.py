@@ -266,7 +266,7 @@ def _raw_embeds(pe: inference_pb2.PromptEmbeds, field: str, received: Received) 
     if kind == "tensor":
         return RawEmbeds(tensor=received.tensor(field, pe.tensor))
     if kind == "encoded":
-        view = received.bytes_at(field) if not pe.encoded.data else None
+        view = received.views.get(field) if not pe.encoded.data else None
         return RawEmbeds(encoded=view if view is not None else pe.encoded.data)
     if kind == "cache_id":
         return RawEmbeds(cache_id=pe.cache_id)

@@ -9,6 +9,7 @@ from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import sampling_from_proto
 from embedmesh.core.transport import pieces
+from embedmesh.core.transport.received import Received
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     FinishReason,
@@ -35,13 +36,15 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo,
                        arrival: pieces.Arrival | None = None) -> GenerationRequest:
     """Convert and check a GenerateRequest against the served model (``validate``): every engine gets only
     requests that keep the rules it relies on, whoever sent them. ``arrival``: the bytes of its data-less embeds
-    tensors (``rows`` frames, ``pieces.expect``), by field path."""
+    tensors (``rows`` frames, ``pieces.expect``), all arrived; each tensor is read as any received one is
+    (``Arrival.received``, ``Received.tensor``, ``WireTensor.read``)."""
     if not req.request_id:
         raise InvalidArgument("request_id is required", field="request_id", reason="REQUIRED")
     check_task(info)
     sampling = sampling_from_proto(req.sampling)
     if sampling.max_tokens == 0 and sampling.prompt_logprobs is None:
         raise InvalidArgument("max_tokens must be >= 1", field="max_tokens", reason="OUT_OF_RANGE")
+    received = arrival.received() if arrival is not None else Received(req)
     segments: list[Segment] = []
     for i, seg in enumerate(req.segments):
         kind = seg.WhichOneof("kind")
@@ -49,11 +52,11 @@ def request_from_proto(req: worker_pb2.GenerateRequest, info: ModelInfo,
             segments.append(TokenSegment(tuple(seg.token_ids.ids)))
         elif kind == "embeds":
             path = f"segments[{i}].embeds"
-            data = arrival.views.get(path) if arrival is not None else None
-            arr, dtype = tensors.to_numpy(seg.embeds, field=path, data=data)
-            # Cast to the model dtype here (a copy only when the wire dtype differs), scanned for NaN/Inf once.
-            rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens,
-                                    scanned=data is not None and arrival is not None and arrival.scanned)
+            tensor = received.tensor(path, seg.embeds)
+            arr, dtype = tensor.read(path)
+            # Cast to the model dtype here (a copy only when the wire dtype differs), scanned for NaN/Inf once:
+            # rows the arrival scanned as they landed (the model's dtype, ``servicer._expect``) are not scanned again.
+            rows = embeds_from_wire(arr, dtype, info, max_tokens=sampling.max_tokens, scanned=tensor.scanned)
             segments.append(EmbedsSegment(rows))
         else:
             raise InvalidArgument(f"segments[{i}] is empty", field=f"segments[{i}]", reason="EMPTY_SEGMENT")

@@ -41,8 +41,7 @@ def test_a_tensor_reads_its_bytes_from_the_views_uncopied_and_its_own_data_first
     with pytest.raises(InvalidArgument) as e:
         other.read("prompt_embeds[1]")
     assert (e.value.field, e.value.reason) == ("prompt_embeds[1].data", "DATA_SIZE_MISMATCH")
-    assert received.bytes_at("prompt_embeds") is received.views["prompt_embeds"]
-    assert received.bytes_at("nope") is None
+    assert not t.scanned and not own.scanned  # a reader scans these itself
 
 
 def _request(*shapes: list[int]) -> inference_pb2.GenerateRequest:
@@ -97,6 +96,9 @@ async def test_rows_checked_as_they_land_are_marked_arriving_and_wait_for_their_
     feed.queue.put_nowait(None)
     await asyncio.wait_for(arrival.finished(), 5)
     assert np.array_equal(t.read("prompt_embeds[0]")[0], [[1] * 4, [2] * 4])
+    # once every byte arrived the mark stays: these bytes were scanned as they landed, a reader need not again
+    after = arrival.received().tensor("prompt_embeds[0]", header.completion.prompt_embeds[0].tensor)
+    assert after.scanned and after.arriving is not None
 
 
 async def test_rows_used_only_once_whole_carry_no_mark() -> None:
@@ -108,7 +110,7 @@ async def test_rows_used_only_once_whole_carry_no_mark() -> None:
     received = arrival.received()
     assert received.arrival is None
     t = received.tensor("prompt_embeds[0]", received.message.completion.prompt_embeds[0].tensor)
-    assert t.arriving is None and t.data is not None and len(t.data) == 16
+    assert t.arriving is None and not t.scanned and t.data is not None and len(t.data) == 16
 
 
 async def test_a_broken_stream_reaches_every_waiter_as_its_own_copy_of_the_rule() -> None:

@@ -13,6 +13,7 @@ from embedmesh.common.v1 import common_pb2
 from embedmesh.core import tensors
 from embedmesh.core.errors import InvalidArgument
 from embedmesh.core.sampling import SamplingParams, Structured, sampling_to_proto
+from embedmesh.core.transport import pieces
 from embedmesh.services.worker.engines.base import (
     EmbedsSegment,
     FinishReason,
@@ -90,6 +91,44 @@ def test_bad_requests_are_refused_naming_the_field(req: worker_pb2.GenerateReque
     assert e.value.field == field
     if reason is not None:
         assert e.value.reason == reason
+
+
+def _arrived(req: worker_pb2.GenerateRequest, rows: np.ndarray, scan: pieces.Scan | None) -> pieces.Arrival:
+    """``req``'s one data-less embeds tensor's arrival (as ``servicer._expect`` makes it), fed ``rows`` and ended."""
+    tensor = req.segments[0].embeds
+    arrival = pieces.expect(req, lambda _: [("segments[0].embeds", tensor)], 1 << 20, scan)
+    assert arrival is not None
+    arrival.feed(rows.tobytes())
+    arrival.end()
+    return arrival
+
+
+def _dataless(rows: np.ndarray, dtype: int) -> worker_pb2.GenerateRequest:
+    return _request(worker_pb2.PromptSegment(embeds=tensor_pb2.Tensor(dtype=dtype, shape=list(rows.shape))))
+
+
+def test_rows_that_followed_the_request_are_read_from_their_arrival_and_scanned_once() -> None:
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    fp32 = tensor_pb2.DATA_TYPE_FP32
+    req = _dataless(rows, fp32)
+    arrival = _arrived(req, rows, pieces.finite_scan(fp32, "prompt_embeds"))
+    got = request_from_proto(req, INFO, arrival).segments[0]
+    assert isinstance(got, EmbedsSegment) and np.array_equal(got.rows, rows)
+    assert np.shares_memory(got.rows, arrival.buffers[0][1])  # the arrival's rows, not a copy
+
+    bad = rows.copy()
+    bad[1, 2] = np.inf
+    # not scanned as they landed: the worker's own check refuses them
+    with pytest.raises(InvalidArgument) as e:
+        request_from_proto(req, INFO, _arrived(req, bad, None))
+    assert (e.value.field, e.value.reason) == ("prompt_embeds", "NON_FINITE")
+    # scanned as they landed (here by a scan that lets anything through): not scanned again
+    passed = request_from_proto(req, INFO, _arrived(req, bad, lambda i, data: None)).segments[0]
+    assert isinstance(passed, EmbedsSegment) and np.isinf(passed.rows[1, 2])
+
+    with pytest.raises(InvalidArgument) as e:  # no arrival: a data-less tensor has no bytes
+        request_from_proto(req, INFO)
+    assert (e.value.field, e.value.reason) == ("segments[0].embeds.data", "DATA_SIZE_MISMATCH")
 
 
 def test_max_tokens_zero_is_accepted_for_prompt_logprobs() -> None:
