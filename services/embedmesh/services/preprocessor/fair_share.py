@@ -3,19 +3,30 @@
 First come, first served lets a tenant that sends ten times more requests take ten times more of the workers, and
 every other tenant waits behind its queue. With ``--fair-share-slots N`` (about the workers' batch slots in all: the
 requests the mesh runs at once at full speed), the preprocessor runs at most N generations at once; the rest wait
-here, one queue per tenant, and a freed slot goes to the next tenant by deficit round robin over their API keys'
-``weight`` (a tenant of weight 4 gets four slots for each one of a tenant of weight 1 while both have work waiting;
-an idle tenant's share goes to the others — nothing is reserved). A key's ``priority``: ``batch`` work runs only
-while no ``interactive`` work waits.
+here, one queue per tenant and priority.
 
-Nothing waits while a slot is free, so below saturation this costs one counter. A waiter whose client went away
-leaves its queue; a slot granted to it as it left is given back.
+What is shared is slot-time, not grants: a request holds its slot for as long as it generates, so counting grants
+would give a tenant of long requests more than its share. Each busy tenant (holding or waiting for a slot) has a
+*usage*: the slot-seconds it has held, divided by its key's ``weight``, growing by ``active / weight`` per second.
+A freed slot goes to the waiting tenant of the least usage (then of the fewest slots held per weight, then the one
+waiting longest). So a tenant of weight 4 holds four times the slot-time of a tenant of weight 1 while both have
+work waiting, and a tenant under its share (usage growing slower than the others') gets the next free slot ahead of
+the tenants over theirs. A tenant that becomes busy again starts at the least usage of the busy tenants: no credit
+is saved while idle, and an idle tenant's share goes to the others (nothing is reserved). A key's ``priority``:
+``batch`` work runs only while no ``interactive`` work waits.
+
+Nothing waits while a slot is free, so below saturation this costs a little bookkeeping. A waiter whose client went
+away leaves its queue; a slot granted to it as it left is given back. ``release`` is called by the task that
+acquired (the preprocessor's request handler), which tells whose slot it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from embedmesh.core.auth import PRIORITIES
@@ -28,48 +39,76 @@ INTERACTIVE, BATCH = PRIORITIES
 
 
 @dataclass
+class _Waiter:
+    order: int
+    fut: asyncio.Future[None]
+    task: asyncio.Task[object] | None
+    """The waiting task: once granted, its slot is released from there."""
+
+
+@dataclass
 class _Tenant:
     weight: float
-    queue: collections.deque[asyncio.Future[None]] = field(default_factory=collections.deque)
-    deficit: float = 0.0
-    topped_up: bool = False
-    """Whether it got its quantum on this visit at the head of the ring (deficit round robin)."""
+    used: float
+    """Weighted slot-seconds held up to ``since``."""
+    since: float
+    active: int = 0
+    queues: dict[str, collections.deque[_Waiter]] = field(
+        default_factory=lambda: {p: collections.deque() for p in PRIORITIES})
+    """Waiters by priority, in arrival order."""
+
+    def usage(self, now: float) -> float:
+        return self.used + self.active * (now - self.since) / self.weight
+
+    def settle(self, now: float) -> None:
+        """Fold the time since ``since`` into ``used`` (before ``active`` or ``weight`` changes)."""
+        self.used = self.usage(now)
+        self.since = now
+
+    def head(self, priority: str) -> _Waiter | None:
+        """The first waiter of ``priority`` still waiting (those that left are dropped)."""
+        q = self.queues[priority]
+        while q and q[0].fut.done():
+            q.popleft()
+        return q[0] if q else None
 
 
 class FairShare:
-    """At most ``slots`` holders at once; waiters served by priority, then by weighted deficit round robin."""
+    """At most ``slots`` holders at once; waiters served by priority, then by least weighted slot-time."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.slots = slots
         self.active = 0
-        self._tenants: dict[tuple[str, str], _Tenant] = {}
-        self._rings: dict[str, collections.deque[tuple[str, str]]] = {p: collections.deque() for p in PRIORITIES}
-
-    @property
-    def waiting(self) -> int:
-        return sum(len(t.queue) for t in self._tenants.values())
+        self.waiting = 0
+        """Waiters still waiting (those that left are not counted)."""
+        self._clock = clock
+        self._tenants: dict[str, _Tenant] = {}
+        """Busy tenants only (holding or waiting): bounded by the slots and the waiters."""
+        self._holders: dict[asyncio.Task[object] | None, list[str]] = {}
+        """Whose slots each task holds (``release`` comes from the task that acquired)."""
+        self._arrivals = itertools.count()
 
     async def acquire(self, tenant: str, weight: float = 1.0, priority: str = INTERACTIVE) -> None:
-        """Wait for a slot (at once when one is free and nobody waits); ``release`` it when done."""
+        """Wait for a slot (at once when one is free and nobody waits); ``release`` it when done, from this task."""
         if not self.slots:
             return
+        now = self._clock()
+        t = self._tenant(tenant, weight, now)
         if self.active < self.slots and not self.waiting:
-            self.active += 1
+            self._grant(t, tenant, now, asyncio.current_task())
             return
-        key = (priority, tenant)
-        t = self._tenants.get(key)
-        if t is None:
-            t = self._tenants[key] = _Tenant(weight)
-            self._rings[priority].append(key)
-        t.weight = weight
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        t.queue.append(fut)
+        t.queues[priority].append(_Waiter(next(self._arrivals), fut, asyncio.current_task()))
+        self.waiting += 1
         WAITING.labels(priority).inc()
         try:
-            await fut
+            await fut  # granted: counted as held by this task (``_grant`` in ``release``)
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()  # granted as the caller left: the slot goes to the next one
+            else:
+                self.waiting -= 1
+                self._forget_if_idle(tenant)
             raise
         finally:
             WAITING.labels(priority).dec()
@@ -77,37 +116,69 @@ class FairShare:
     def release(self) -> None:
         if not self.slots:
             return
+        now = self._clock()
+        name = self._holder(asyncio.current_task())
+        t = self._tenants[name]
+        t.settle(now)
+        t.active -= 1
         self.active -= 1
-        while self.active < self.slots:
-            fut = self._next()
-            if fut is None:
+        self._forget_if_idle(name)
+        while self.active < self.slots and self.waiting:
+            picked = self._next(now)
+            if picked is None:
                 return
-            self.active += 1
-            fut.set_result(None)
+            name, w = picked
+            self.waiting -= 1
+            self._grant(self._tenants[name], name, now, w.task)
+            w.fut.set_result(None)
 
-    def _next(self) -> asyncio.Future[None] | None:
-        """The next waiter to serve (None: nobody waits). Deficit round robin within a priority: the tenant at the
-        head of the ring gets its weight as quantum once per visit and is served while it has a whole slot's
-        credit; then the next tenant's turn."""
+    def _tenant(self, name: str, weight: float, now: float) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:  # busy again: starts level with the least used busy tenant (no credit saved while idle)
+            start = min((o.usage(now) for o in self._tenants.values()), default=0.0)
+            t = self._tenants[name] = _Tenant(weight, start, now)
+        elif t.weight != weight:
+            t.settle(now)
+            t.weight = weight
+        return t
+
+    def _grant(self, t: _Tenant, name: str, now: float, task: asyncio.Task[object] | None) -> None:
+        t.settle(now)
+        t.active += 1
+        self.active += 1
+        self._holders.setdefault(task, []).append(name)
+
+    def _holder(self, task: asyncio.Task[object] | None) -> str:
+        """The tenant whose slot ``task`` gives back. Should the release come from another task (an abandoned
+        generator closed later), a slot of a task that has ended is taken, else the oldest: every grant is
+        released once, so every entry goes."""
+        if task not in self._holders:
+            task = next((k for k in self._holders if k is not None and k.done()), next(iter(self._holders)))
+        names = self._holders[task]
+        name = names.pop()
+        if not names:
+            del self._holders[task]
+        return name
+
+    def _forget_if_idle(self, name: str) -> None:
+        t = self._tenants.get(name)
+        if t is not None and not t.active and all(t.head(p) is None for p in PRIORITIES):
+            del self._tenants[name]
+
+    def _next(self, now: float) -> tuple[str, _Waiter] | None:
+        """The next waiter to serve: the first priority with waiters; in it, the tenant of least usage, then of
+        fewest slots held per weight, then waiting longest."""
         for priority in PRIORITIES:
-            ring = self._rings[priority]
-            while ring:
-                key = ring[0]
-                t = self._tenants[key]
-                while t.queue and t.queue[0].done():  # left while waiting
-                    t.queue.popleft()
-                if not t.queue:
-                    ring.popleft()
-                    del self._tenants[key]  # bounded by the tenants with work waiting
+            best: tuple[float, float, int] | None = None
+            picked: tuple[str, _Waiter] | None = None
+            for name, t in self._tenants.items():
+                head = t.head(priority)
+                if head is None:
                     continue
-                if t.deficit < 1.0:
-                    if t.topped_up:  # its turn is over: the next tenant's
-                        t.topped_up = False
-                        ring.rotate(-1)
-                        continue
-                    t.deficit += t.weight
-                    t.topped_up = True
-                    continue
-                t.deficit -= 1.0
-                return t.queue.popleft()
+                rank = (t.usage(now), t.active / t.weight, head.order)
+                if best is None or rank < best:
+                    best, picked = rank, (name, head)
+            if picked is not None:
+                self._tenants[picked[0]].queues[priority].popleft()
+                return picked
         return None

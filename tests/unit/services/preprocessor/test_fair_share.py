@@ -1,14 +1,83 @@
-"""The preprocessor's fair share of generation slots: free slots are taken at once; under saturation waiters are
-served by weighted deficit round robin (4:1 weights → 4:1 grants while both wait), an idle tenant's share goes to
-the others, batch work waits for interactive work, and a waiter that leaves gives its place (or its slot) back."""
+"""The preprocessor's fair share of generation slots: free slots are taken at once; under saturation the slot-time
+(how long requests hold their slots) goes to tenants by weight, whatever their requests' lengths; a tenant under its
+share gets the next free slot ahead of one over it; an idle tenant's share goes to the others and idleness saves no
+credit; batch work waits for interactive work; a waiter that leaves gives its place (or its slot) back.
+
+The slot-time tests run closed-loop clients on a simulated clock: each client acquires, holds its slot for its
+request's simulated duration, releases (from its own task, as the preprocessor does) and asks again. What each
+tenant got is computed here from the grant and release times, not read from the scheduler."""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
 
 import pytest
 
 from embedmesh.services.preprocessor.fair_share import BATCH, FairShare
+
+
+@dataclass
+class _Sim:
+    """A simulated clock driving closed-loop clients through a FairShare."""
+
+    slots: int
+    now: float = 0.0
+    fs: FairShare = field(init=False)
+    held: list[tuple[str, float, float]] = field(default_factory=list)
+    """(tenant, granted at, released at) of every finished hold."""
+    grants: list[tuple[float, str]] = field(default_factory=list)
+    asked: list[tuple[float, str]] = field(default_factory=list)
+    _ends: list[tuple[float, int, asyncio.Future[None]]] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.fs = FairShare(self.slots, clock=lambda: self.now)
+
+    async def client(self, tenant: str, weight: float, hold: float, *, start: float = 0.0, think: float = 0.0,
+                     priority: str = "interactive") -> None:
+        await self.wait_until(start)
+        while True:
+            self.asked.append((self.now, tenant))
+            await self.fs.acquire(tenant, weight, priority)
+            granted = self.now
+            self.grants.append((granted, tenant))
+            await self.wait_until(self.now + hold)
+            self.held.append((tenant, granted, self.now))
+            self.fs.release()
+            if think:
+                await self.wait_until(self.now + think)
+
+    def wait_until(self, t: float) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._ends, (t, next(self._order), fut))
+        return fut
+
+    async def run(self, clients: list[asyncio.Task[None]], until: float) -> None:
+        """Advance the clock event by event to ``until``, letting every woken client act at each instant."""
+        try:
+            while True:
+                for _ in range(20):  # woken clients release, granted waiters wake and register their holds
+                    await asyncio.sleep(0)
+                if not self._ends or self._ends[0][0] > until:
+                    return
+                t, _, fut = heapq.heappop(self._ends)
+                self.now = t
+                fut.set_result(None)
+        finally:
+            for c in clients:
+                c.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+
+    def slot_time(self, tenant: str, since: float, until: float) -> float:
+        """Slot-seconds ``tenant`` held in [since, until] (holds still open at ``until`` counted up to it)."""
+        done = sum(max(0.0, min(e, until) - max(g, since)) for n, g, e in self.held if n == tenant)
+        ended = {(n, g) for n, g, _ in self.held}
+        open_ = sum(max(0.0, until - max(g, since)) for g, n in self.grants if n == tenant and (n, g) not in ended)
+        return done + open_
 
 
 async def _order(fs: FairShare, waiters: list[tuple[str, float, str]], grants: int) -> list[str]:
@@ -49,31 +118,69 @@ async def test_off_means_no_bound() -> None:
     assert fs.active == 0 and fs.waiting == 0
 
 
-async def test_weights_4_to_1_share_the_slots_4_to_1_while_both_wait() -> None:
-    fs = FairShare(1)
-    await fs.acquire("x")  # the one slot is held
-    waiters = [("heavy", 4.0, "interactive")] * 50 + [("light", 1.0, "interactive")] * 50
-    served = await _order(fs, waiters, 40)
-    assert served.count("heavy") == 32 and served.count("light") == 8  # 40 slots at 4:1
-    # interleaved, not all of one first: the light tenant waits at most one heavy turn
-    gaps = [i for i, t in enumerate(served) if t == "light"]
-    assert max(b - a for a, b in zip([-1, *gaps], gaps, strict=False)) <= 5
+@pytest.mark.parametrize(("hold_a", "hold_b"), [(1.0, 1.0), (1.0, 2.5), (3.0, 0.7)])
+async def test_weights_4_to_1_share_slot_time_4_to_1_whatever_the_request_lengths(hold_a: float,
+                                                                                   hold_b: float) -> None:
+    """Both tenants backlogged on 8 slots (B's share 1.6: not a whole number of slots), requests of different
+    lengths per tenant: slot-time 4:1 within 10 %. Counting grants instead would give 4 x hold_a : hold_b."""
+    sim = _Sim(8)
+    clients = [asyncio.create_task(sim.client("a", 4.0, hold_a)) for _ in range(20)]
+    clients += [asyncio.create_task(sim.client("b", 1.0, hold_b)) for _ in range(8)]
+    await sim.run(clients, 400.0)
+    a, b = sim.slot_time("a", 20.0, 400.0), sim.slot_time("b", 20.0, 400.0)
+    assert a + b == pytest.approx(8 * 380.0, rel=0.01)  # saturated: no slot left idle
+    assert a / b == pytest.approx(4.0, rel=0.10)
 
 
-async def test_a_flood_does_not_delay_a_light_tenant_beyond_its_share() -> None:
-    """Tenant A queues 100 requests first, B then queues 3, equal weights: B is served within its first turns,
-    not after A's 100 (first come, first served would serve B last)."""
-    fs = FairShare(1)
-    await fs.acquire("x")
-    served = await _order(fs, [("a", 1.0, "interactive")] * 100 + [("b", 1.0, "interactive")] * 3, 8)
-    assert served[:6] == ["a", "b", "a", "b", "a", "b"]
+async def test_a_tenant_under_its_share_gets_the_next_free_slot() -> None:
+    """A (weight 4) keeps 30 requests waiting; B (weight 1, demand one slot: under its share of 1.6) asks again
+    as soon as its request ends. Every one of B's requests gets the first slot freed after it asked, although A's
+    waiters came first."""
+    sim = _Sim(8)
+    clients = [asyncio.create_task(sim.client("a", 4.0, 1.0)) for _ in range(30)]
+    clients.append(asyncio.create_task(sim.client("b", 1.0, 1.3, start=5.05, think=0.21)))
+    await sim.run(clients, 200.0)
+    b_asked = [t for t, n in sim.asked if n == "b"]
+    assert len(b_asked) > 80
+    for asked in b_asked[:-1]:
+        first_after = next(n for t, n in sim.grants if t >= asked)  # grants are listed in the order given
+        assert first_after == "b", f"B asked at {asked}, the next slot went to {first_after}"
+
+
+async def test_a_tenant_over_its_share_waits_for_one_under_it() -> None:
+    """Equal weights; A holds 7 of 8 slots and has waiters queued first, B holds 1 and waits for a second: the
+    next free slot is B's (first come, first served would give it to A)."""
+    sim = _Sim(8)
+    clients = [asyncio.create_task(sim.client("a", 1.0, 10.0)) for _ in range(7)]
+    clients.append(asyncio.create_task(sim.client("b", 1.0, 10.0)))
+    clients += [asyncio.create_task(sim.client("a", 1.0, 10.0, start=1.0)) for _ in range(5)]
+    clients.append(asyncio.create_task(sim.client("b", 1.0, 10.0, start=2.0)))
+    await sim.run(clients, 10.0)
+    assert [n for t, n in sim.grants if t == 10.0][0] == "b"
 
 
 async def test_an_idle_tenants_share_goes_to_the_others() -> None:
-    fs = FairShare(1)
-    await fs.acquire("x")
-    served = await _order(fs, [("a", 1.0, "interactive")] * 10 + [("b", 9.0, "interactive")] * 2, 10)
-    assert served.count("b") == 2 and served.count("a") == 8  # b had only 2: the rest of its share went to a
+    """B (weight 9: a share of 3.6 of 4 slots) runs one request at a time: A (weight 1) gets every slot B does
+    not use; none is kept idle for B's share."""
+    sim = _Sim(4)
+    clients = [asyncio.create_task(sim.client("a", 1.0, 1.0)) for _ in range(10)]
+    clients.append(asyncio.create_task(sim.client("b", 9.0, 1.0)))
+    await sim.run(clients, 100.0)
+    a, b = sim.slot_time("a", 0.0, 100.0), sim.slot_time("b", 0.0, 100.0)
+    assert a + b == pytest.approx(400.0, rel=0.01)
+    assert 75.0 <= b <= 100.0 and a >= 300.0
+
+
+async def test_idleness_saves_no_credit() -> None:
+    """A runs alone for 100 s, then B (same weight) arrives backlogged: from then on they share 1:1; B does not
+    take every slot to catch up A's 100 s, and A is not shut out."""
+    sim = _Sim(4)
+    clients = [asyncio.create_task(sim.client("a", 1.0, 1.0)) for _ in range(10)]
+    clients += [asyncio.create_task(sim.client("b", 1.0, 1.0, start=100.0)) for _ in range(10)]
+    await sim.run(clients, 130.0)
+    assert sim.slot_time("b", 0.0, 100.0) == 0.0
+    a, b = sim.slot_time("a", 101.0, 130.0), sim.slot_time("b", 101.0, 130.0)
+    assert a == pytest.approx(b, rel=0.10)
 
 
 async def test_batch_waits_while_interactive_work_waits() -> None:
@@ -81,6 +188,16 @@ async def test_batch_waits_while_interactive_work_waits() -> None:
     await fs.acquire("x")
     served = await _order(fs, [("bulk", 100.0, BATCH)] * 5 + [("chat", 1.0, "interactive")] * 3, 6)
     assert served == ["chat", "chat", "chat", "bulk", "bulk", "bulk"]
+
+
+async def test_batch_waits_even_when_the_interactive_tenant_is_over_its_share() -> None:
+    """Priority comes before share: an interactive tenant that has held far more than a batch tenant still goes
+    first."""
+    sim = _Sim(2)
+    clients = [asyncio.create_task(sim.client("chat", 1.0, 1.0)) for _ in range(4)]
+    clients += [asyncio.create_task(sim.client("bulk", 100.0, 1.0, start=0.5, priority=BATCH))]
+    await sim.run(clients, 50.0)
+    assert sim.slot_time("bulk", 0.0, 50.0) == 0.0 and sim.slot_time("chat", 0.0, 50.0) == 100.0
 
 
 async def test_a_waiter_that_leaves_gives_its_place_back() -> None:
@@ -91,15 +208,27 @@ async def test_a_waiter_that_leaves_gives_its_place_back() -> None:
     await asyncio.sleep(0)
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
+    assert fs.waiting == 1
     fs.release()
     await asyncio.wait_for(staying, 1)  # the slot went to b, not to the caller that left
     assert fs.active == 1 and fs.waiting == 0
 
 
+async def test_a_slot_granted_as_its_waiter_leaves_goes_to_the_next() -> None:
+    fs = FairShare(1)
+    await fs.acquire("x")
+    leaving = asyncio.create_task(fs.acquire("a"))
+    staying = asyncio.create_task(fs.acquire("b"))
+    await asyncio.sleep(0)
+    fs.release()  # granted to a ...
+    leaving.cancel()  # ... which leaves before it runs
+    assert isinstance((await asyncio.gather(leaving, return_exceptions=True))[0], asyncio.CancelledError)
+    await asyncio.wait_for(staying, 1)
+    assert fs.active == 1 and fs.waiting == 0
+
+
 @pytest.mark.parametrize("rounds", [200])
 async def test_slots_are_never_over_granted_under_churn(rounds: int) -> None:
-    import random
-
     fs = FairShare(3)
     rng = random.Random(7)
     peak = 0
@@ -107,10 +236,18 @@ async def test_slots_are_never_over_granted_under_churn(rounds: int) -> None:
     async def user(i: int) -> None:
         nonlocal peak
         for _ in range(5):
-            await fs.acquire(f"t{i % 4}", 1.0 + i % 3)
+            await fs.acquire(f"t{i % 4}", 1.0 + i % 3, BATCH if i % 5 == 0 else "interactive")
             peak = max(peak, fs.active)
             await asyncio.sleep(rng.random() / 1000)
             fs.release()
 
-    await asyncio.gather(*(user(i) for i in range(rounds // 5)))
+    async def leaver(i: int) -> None:
+        task = asyncio.create_task(fs.acquire(f"t{i % 4}"))
+        await asyncio.sleep(rng.random() / 1000)
+        task.cancel()
+        if not isinstance((await asyncio.gather(task, return_exceptions=True))[0], BaseException):
+            fs.release()
+
+    await asyncio.gather(*(user(i) for i in range(rounds // 5)), *(leaver(i) for i in range(rounds // 5)))
     assert peak <= 3 and fs.active == 0 and fs.waiting == 0
+    assert not fs._tenants  # nothing kept for tenants that are gone
