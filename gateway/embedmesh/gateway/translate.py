@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from embedmesh.common.v1 import common_pb2
+from embedmesh.gateway import affinity
 from embedmesh.gateway.errors import ApiError
 from embedmesh.gateway.requests import (
     IGNORED_FIELDS,
@@ -138,9 +139,10 @@ def completion_params(body: dict[str, Any], blobs: list[bytes] | None = None) ->
 
 
 def chat_params(body: dict[str, Any], blobs: list[bytes] | None = None) -> inference_pb2.ChatParams:
-    """/v1/chat/completions body -> ChatParams. Content parts: text and prompt_embeds. With ``blobs``: see
-    ``_embeds``."""
+    """/v1/chat/completions body -> ChatParams. Content parts: text, images and prompt_embeds. With ``blobs``: see
+    ``_embeds``. Sets the request's image affinity key from its first image part (``affinity.remember``)."""
     r = parse(ChatRequest, body)
+    first_image: str | None = None
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     params = inference_pb2.ChatParams(model=r.model, sampling=_sampling(r, max_tokens))
     if r.n is not None:
@@ -171,11 +173,14 @@ def chat_params(body: dict[str, Any], blobs: list[bytes] | None = None) -> infer
                 if isinstance(part, TextPart):
                     msg.parts.append(inference_pb2.ChatContentPart(text=part.text))
                 elif isinstance(part, ImagePart):
+                    if first_image is None:
+                        first_image = part.image_url
                     msg.parts.append(inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(
                         url=part.image_url)))
                 else:
                     msg.parts.append(inference_pb2.ChatContentPart(prompt_embeds=_embeds(part.data, blobs)))
         params.messages.append(msg)
+    affinity.remember(first_image)
     return params
 
 
