@@ -21,7 +21,8 @@ import grpc
 from starlette.requests import Request
 
 from embedmesh.core import auth
-from embedmesh.core.server import mesh_channel, metadata_interceptors
+from embedmesh.core.call_metadata import Added
+from embedmesh.core.server import mesh_channel
 from embedmesh.gateway.errors import ApiError
 
 __all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
@@ -69,7 +70,10 @@ def _forwarded() -> list[tuple[str, str]]:
     return [("authorization", header)] if header else []
 
 
+_FORWARD = Added(_forwarded, frozenset({"authorization"}))
+"""The request's key replaces any ``authorization`` a call was given."""
+
+
 def forwarding_channel(address: str) -> grpc.aio.Channel:
     """A channel to a mesh service that carries the client's key (TLS when configured, never the mesh token)."""
-    return mesh_channel(address, mesh_token=False,
-                        interceptors=metadata_interceptors(_forwarded, frozenset({"authorization"})))
+    return mesh_channel(address, mesh_token=False, added=[_FORWARD])

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,6 +34,7 @@ from prometheus_client import Counter
 from embedmesh.core import auth, inbound, tls, tracebacks
 from embedmesh.core.auth import Access
 from embedmesh.core.authz import Authorizer
+from embedmesh.core.call_metadata import Added, metadata_interceptors, open_adding
 from embedmesh.core.errors import EmbedmeshError, InternalError, to_status
 from embedmesh.core.health_bounds import BoundedHealth
 from embedmesh.core.logs import get_logger
@@ -41,7 +42,6 @@ from embedmesh.core.telemetry import (
     RPC_IN_FLIGHT,
     RPC_LATENCY,
     RPC_REQUESTS,
-    TracingClientInterceptor,
     extract_context,
     service_name,
     tracer,
@@ -115,53 +115,20 @@ def server_options(max_message_bytes: int = 512 * MiB) -> list[tuple[str, Any]]:
     return [*channel_options(max_message_bytes), ("grpc.compression_enabled_algorithms_bitset", 1)]
 
 
-def metadata_interceptors(extra: Callable[[], list[tuple[str, str]]],
-                          replace: frozenset[str] = frozenset()) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors adding ``extra()``'s metadata to every call (dropping keys in ``replace`` first).
-
-    One instance per call kind: grpc.aio files an interceptor under the first kind it implements, so a single class
-    implementing all four would only ever see unary-unary calls."""
-
-    def details_with(details: Any) -> Any:
-        add = extra()
-        if not add:
-            return details
-        md = [m for m in (details.metadata or []) if (m[0] if isinstance(m, tuple) else m.key) not in replace]
-        md.extend(add)
-        return details._replace(metadata=md)
-
-    class _UU(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-            return await continuation(details_with(details), request)
-
-    class _US(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-            return await continuation(details_with(details), request)
-
-    class _SU(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-            return await continuation(details_with(details), request_iterator)
-
-    class _SS(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-            return await continuation(details_with(details), request_iterator)
-
-    return [_UU(), _US(), _SU(), _SS()]
-
-
 def mesh_channel(address: str, max_message_bytes: int = 512 * MiB, *, mesh_token: bool = True,
-                 interceptors: list[Any] | None = None) -> grpc.aio.Channel:
+                 added: Sequence[Added] = ()) -> grpc.aio.Channel:
     """An aio channel to another mesh service with the mesh's options, and its credentials: TLS with this
-    service's certificate when the process has TLS configured, the mesh token when it has one.
+    service's certificate when the process has TLS configured, the mesh token when it has one. Every call carries
+    the trace context, then ``added``'s metadata, then the token (``core.call_metadata``).
 
     ``mesh_token=False`` for channels that carry calls on behalf of outside clients (the gateway's): those calls
     are authenticated by the client's own API key, never by the mesh's token."""
     sec = tls.current()
-    interceptors = [*TracingClientInterceptor(), *(interceptors or [])]
+    adds = list(added)
     if sec.mesh_token and mesh_token:
         token = [(tls.MESH_TOKEN_HEADER, sec.mesh_token)]
-        interceptors.extend(metadata_interceptors(lambda: token, frozenset({tls.MESH_TOKEN_HEADER})))
-    return _open_channel(sec, address, max_message_bytes, interceptors)
+        adds.append(Added(lambda: token, frozenset({tls.MESH_TOKEN_HEADER})))
+    return open_adding(lambda icpt: _open_channel(sec, address, max_message_bytes, icpt), adds)
 
 
 def _open_channel(sec: tls.Security, address: str, max_message_bytes: int,

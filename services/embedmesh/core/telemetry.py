@@ -1,8 +1,9 @@
 """Tracing and metrics shared by every service.
 
-Tracing: OpenTelemetry spans per RPC, the W3C ``traceparent`` carried in gRPC metadata by a client interceptor
-(every channel made with ``embedmesh.core.server.insecure_channel`` has it) and picked up by the server
-interceptor, so one request is one trace across gateway → preprocessor → cache → router → worker.
+Tracing: OpenTelemetry spans per RPC, the W3C ``traceparent`` carried in gRPC metadata on every call of a channel
+made with ``embedmesh.core.server.mesh_channel`` (put into each call by ``core.call_metadata``, or by
+``TracingClientInterceptor`` on the plain path) and picked up by the server's handler wrapping, so one request is
+one trace across gateway → preprocessor → cache → router → worker.
 Export: OTLP/gRPC when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; one compact JSON line per span on stderr when asked
 (``EMBEDMESH_TRACE_CONSOLE=1``: logs are quiet by default, and four lines per request cost 15-50 % of a tiny
 request's throughput); ``EMBEDMESH_TRACE_FILE`` appends the same lines to a file (tests use it to check a whole
@@ -178,5 +179,6 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 def TracingClientInterceptor() -> list[grpc.aio.ClientInterceptor]:  # noqa: N802 - reads like a class at call sites
-    """Interceptors that put the current trace context on every outgoing call."""
+    """Interceptors that put the current trace context on every outgoing call (``core.call_metadata``'s plain
+    path; its fast path calls ``inject_metadata`` itself)."""
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]

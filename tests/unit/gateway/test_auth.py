@@ -129,9 +129,14 @@ class _Seen(worker_pb2_grpc.WorkerServiceServicer):
                     worker_pb2.GenerateResult(id=frame.id, end=worker_pb2.GenerationEnd())])
 
 
-async def test_forwarding_channel_carries_the_requests_key_on_every_call_kind() -> None:
+@pytest.mark.parametrize("fast", [True, False])  # metadata straight into each call, or interceptors (plain path)
+async def test_forwarding_channel_carries_the_requests_key_on_every_call_kind(
+        fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from embedmesh.core import fastpath
     from embedmesh.core.server import Server, ServerOptions
     from embedmesh.gateway.auth import forwarding_channel
+
+    monkeypatch.setenv(fastpath.ENV, "on" if fast else "off")
 
     server = Server("t", ServerOptions(port=0, grace_seconds=0.1))
     server.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, _Seen(), "embedmesh.worker.v1.WorkerService")
