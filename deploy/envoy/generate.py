@@ -11,6 +11,11 @@ one HTTP/2 connection, so without a proxy one replica gets all of a client's cal
 * stats (``0.0.0.0:stats_port``): ``/stats/prometheus`` and ``/ready`` from the admin API, which itself stays on
   127.0.0.1.
 
+One egress picks the replica by a request header instead (``AFFINITY``): the gateway's, to the preprocessor. The
+gateway names a request carrying an image by its image's affinity key (gateway/embedmesh/gateway/affinity.py); the
+routes hash that header and the cluster is MAGLEV (consistent hashing), so a repeated image reaches the replica
+whose encoder cache holds its rows, and a request without the header gets a random replica.
+
 The mTLS variant (``generated/mtls/``, a kustomize Component that swaps the ConfigMaps; deploy/k8s/components/mtls
 includes it) is the same config with TLS on every leg, because the apps themselves speak TLS once they have
 EMBEDMESH_TLS_* (embedmesh.core.tls): the egress listeners terminate the app's TLS (the pod's certificate names
@@ -49,6 +54,11 @@ _TLS_SOCKET = "envoy.transport_sockets.tls"
 _UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+AFFINITY: dict[tuple[str, str], str] = {("gateway", "preprocessor"): "x-embedmesh-affinity"}
+"""(caller, callee) -> the request header whose value picks the callee's replica on that egress (MAGLEV: the same
+value, the same replica while the set of healthy replicas stays the same; no header, a random replica). The gateway
+sends the preprocessor its image affinity key (gateway/embedmesh/gateway/affinity.py ``HEADER``)."""
 
 
 def load_mesh(path: Path = MESH) -> dict[str, Any]:
@@ -99,10 +109,12 @@ def _downstream_tls(tls_dir: str) -> dict[str, Any]:
                                                   "common_tls_context": _tls_context(tls_dir)}}
 
 
-def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool) -> list[dict[str, Any]]:
+def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool,
+            hash_header: str | None = None) -> list[dict[str, Any]]:
     """Exact-path routes first: idempotent RPCs (retried on another host by the caller's egress; an ingress has
     only its own app, so it never retries), long-lived streams (no timeouts); then everything else under the
-    callee's own timeout, never retried (Complete, Generate, Route, uploads...)."""
+    callee's own timeout, never retried (Complete, Generate, Route, uploads...). With ``hash_header``, every route
+    hashes that header to pick the host (the cluster must be MAGLEV)."""
     env, svc = mesh["envoy"], mesh["services"][callee]
     policy = {
         "retry_on": env["retry_on"],
@@ -121,6 +133,9 @@ def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool) -> lis
     for path in [*env["long_lived_common"], *svc.get("long_lived", [])]:
         routes.append({"match": {"path": path}, "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": "0s"}})
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": svc.get("timeout", "60s")}})
+    if hash_header is not None:
+        for r in routes:
+            r["route"]["hash_policy"] = [{"header": {"header_name": hash_header}}]
     return routes
 
 
@@ -162,12 +177,14 @@ def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, An
 
 
 def _cluster(name: str, endpoints: list[tuple[str, int]], *, dns: bool, health: str | None = None,
-             interval: str = "2s", dns_refresh: str = "5s", tls: dict[str, Any] | None = None) -> dict[str, Any]:
+             interval: str = "2s", dns_refresh: str = "5s", tls: dict[str, Any] | None = None,
+             hashed: bool = False) -> dict[str, Any]:
+    """``hashed``: the host is picked by the routes' hash policy (MAGLEV) instead of by load (LEAST_REQUEST)."""
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": "1s",
-        "lb_policy": "LEAST_REQUEST",
+        "lb_policy": "MAGLEV" if hashed else "LEAST_REQUEST",
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _HTTP_OPTIONS,
             "explicit_http_config": {"http2_protocol_options": {
@@ -243,33 +260,38 @@ def sidecar(mesh: dict[str, Any], name: str, tls_dir: str | None = None) -> dict
     for callee in svc.get("calls", []):
         target = mesh["services"][callee]
         host = headless_host(mesh, callee)
+        hash_header = AFFINITY.get((name, callee))
         listeners.append(_http_listener(f"egress_{callee}", _address("127.0.0.1", egress_port(mesh, callee)),
-                                        _routes(mesh, callee, callee, retry=True), tls=downstream))
+                                        _routes(mesh, callee, callee, retry=True, hash_header=hash_header),
+                                        tls=downstream))
         clusters.append(_cluster(callee, [(host, ingress_port(mesh, callee))], dns=True, health=target["health"],
                                  interval=env["health_check_interval"], dns_refresh=env["dns_refresh"],
-                                 tls=_upstream_tls(tls_dir, host) if tls_dir else None))
+                                 tls=_upstream_tls(tls_dir, host) if tls_dir else None,
+                                 hashed=hash_header is not None))
     admin, stats_listener, admin_cluster = _admin_and_stats(mesh, int(env["admin_port"]))
     return {"admin": admin, "static_resources": {"listeners": [*listeners, stats_listener],
                                                  "clusters": [*clusters, admin_cluster]}}
 
 
 def loopback(mesh: dict[str, Any], listen_port: int | None = None, endpoints: list[str] | None = None,
-             admin_port: int | None = None, service: str | None = None, tls_dir: str | None = None
-             ) -> dict[str, Any]:
+             admin_port: int | None = None, service: str | None = None, tls_dir: str | None = None,
+             caller: str | None = None) -> dict[str, Any]:
     """The egress of ``service`` (default ``mesh['loopback']['service']``) in front of replicas on 127.0.0.1
     (STATIC, fast checks); with ``tls_dir``, the mTLS egress (the replicas must hold certificates naming
-    ``headless_host(service)``).
+    ``headless_host(service)``); with ``caller``, as that caller's sidecar has it (its ``AFFINITY`` hashing, if any).
 
     The committed file uses the ports in mesh.yaml; the tests pass free ports."""
     lb = mesh["loopback"]
     callee = service or lb["service"]
+    hash_header = AFFINITY.get((caller, callee)) if caller else None
     eps = [(e.rsplit(":", 1)[0], int(e.rsplit(":", 1)[1])) for e in (endpoints or lb["endpoints"])]
     listener = _http_listener(f"egress_{callee}", _address("127.0.0.1", listen_port or int(lb["listen_port"])),
-                              _routes(mesh, callee, callee, retry=True),
+                              _routes(mesh, callee, callee, retry=True, hash_header=hash_header),
                               tls=_downstream_tls(tls_dir) if tls_dir else None)
     cluster = _cluster(callee, eps, dns=False, health=mesh["services"][callee]["health"],
                        interval=lb["health_check_interval"],
-                       tls=_upstream_tls(tls_dir, headless_host(mesh, callee)) if tls_dir else None)
+                       tls=_upstream_tls(tls_dir, headless_host(mesh, callee)) if tls_dir else None,
+                       hashed=hash_header is not None)
     return {"admin": {"address": _address("127.0.0.1", admin_port if admin_port is not None
                                           else int(lb["admin_port"]))},
             "static_resources": {"listeners": [listener], "clusters": [cluster]}}

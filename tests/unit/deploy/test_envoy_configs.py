@@ -115,7 +115,8 @@ def test_egress_clusters_balance_per_request_over_healthy_pods() -> None:
         for callee in svc.get("calls", []):
             c = clusters[callee]
             assert c["type"] == "STRICT_DNS"
-            assert c["lb_policy"] in ("LEAST_REQUEST", "ROUND_ROBIN")
+            # The gateway's egress to the preprocessor picks by image affinity (test_image_affinity_...).
+            assert c["lb_policy"] == ("MAGLEV" if (name, callee) == ("gateway", "preprocessor") else "LEAST_REQUEST")
             http = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
             assert "http2_protocol_options" in http["explicit_http_config"]
             (check,) = c["health_checks"]
@@ -123,6 +124,43 @@ def test_egress_clusters_balance_per_request_over_healthy_pods() -> None:
             assert check["unhealthy_threshold"] == 1 and "no_traffic_interval" in check
             assert c["outlier_detection"]["consecutive_5xx"] > 0
             assert c["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+
+
+@pytest.mark.parametrize("variant", ["", "mtls"])
+def test_image_affinity_only_on_the_gateways_egress_to_the_preprocessor(variant: str) -> None:
+    """The gateway names a request carrying an image by its affinity key (gateway/affinity.py); its sidecar hashes
+    that header on every route to the preprocessor over a consistent-hashing cluster. No other egress hashes."""
+    from embedmesh.gateway.affinity import HEADER
+
+    hashed = []
+    for name in mesh()["services"]:
+        config = _config(name, variant)["static_resources"]
+        clusters = {c["name"]: c for c in config["clusters"]}
+        for listener in config["listeners"]:
+            policies = [r["route"].get("hash_policy") for r in _routes(listener)]
+            if listener["name"] == "egress_preprocessor" and name == "gateway":
+                assert policies == [[{"header": {"header_name": HEADER}}]] * len(policies)
+                assert {r["route"]["cluster"] for r in _routes(listener)} == {"preprocessor"}
+                assert clusters["preprocessor"]["lb_policy"] == "MAGLEV"
+                hashed.append(name)
+            else:
+                assert policies == [None] * len(policies), (name, listener["name"])
+        assert all(c.get("lb_policy") in (None, "LEAST_REQUEST") for c in clusters.values()
+                   if name != "gateway" or c["name"] != "preprocessor"), name
+    assert hashed == ["gateway"]
+    assert "preprocessor" in mesh()["services"]["vector-store"]["calls"]  # another caller, left on LEAST_REQUEST
+
+
+def test_loopback_variant_hashes_as_the_named_callers_sidecar() -> None:
+    gen = load_script("envoy/generate.py")
+    plain = gen.loopback(mesh())
+    as_gateway = gen.loopback(mesh(), caller="gateway")
+    assert plain == _config("loopback/preprocessor")  # the committed file: no caller, no hashing
+    assert plain["static_resources"]["clusters"][0]["lb_policy"] == "LEAST_REQUEST"
+    assert as_gateway["static_resources"]["clusters"][0]["lb_policy"] == "MAGLEV"
+    routes = _routes(as_gateway["static_resources"]["listeners"][0])
+    assert all(r["route"]["hash_policy"] == [{"header": {"header_name": "x-embedmesh-affinity"}}] for r in routes)
+    assert gen.loopback(mesh(), caller="vector-store") == plain
 
 
 def test_only_idempotent_rpcs_are_retried() -> None:
