@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import prometheus_client
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -31,9 +32,11 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
-from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "CachedCounter",
+    "CachedGauge",
+    "CachedHistogram",
     "setup_tracing",
     "tracer",
     "extract_context",
@@ -44,13 +47,58 @@ __all__ = [
     "RPC_IN_FLIGHT",
 ]
 
-RPC_REQUESTS = Counter(
+
+class _KeptChildren:
+    """``labels()`` answered from the children already made, by the values as passed: prometheus_client's own
+    checks the count, converts each value to ``str`` and takes a lock on every call (~0.9 us, and a request makes
+    three per RPC served plus the preprocessor's own, 1-2 % of its CPU in the front door's profile). The values
+    name the same child either way; ``remove``/``clear`` forget every kept one."""
+
+    _kept: dict[tuple[Any, ...], Any]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._kept = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *values: Any, **named: Any) -> Any:
+        try:
+            child = self._kept.get(values) if not named else None
+        except TypeError:  # an unhashable value: prometheus_client converts it to str
+            return super().labels(*values, **named)  # type: ignore[misc]
+        if child is None:
+            child = super().labels(*values, **named)  # type: ignore[misc]
+            if not named:
+                self._kept[values] = child
+        return child
+
+    def remove(self, *values: Any) -> None:
+        self._kept = {}
+        super().remove(*values)  # type: ignore[misc]
+
+    def clear(self) -> None:
+        self._kept = {}
+        super().clear()  # type: ignore[misc]
+
+
+class CachedCounter(_KeptChildren, prometheus_client.Counter):
+    """A ``prometheus_client.Counter`` whose labelled children are kept (``_KeptChildren``)."""
+
+
+class CachedGauge(_KeptChildren, prometheus_client.Gauge):
+    """A ``prometheus_client.Gauge`` whose labelled children are kept (``_KeptChildren``)."""
+
+
+class CachedHistogram(_KeptChildren, prometheus_client.Histogram):
+    """A ``prometheus_client.Histogram`` whose labelled children are kept (``_KeptChildren``)."""
+
+
+RPC_REQUESTS = CachedCounter(
     "embedmesh_rpc_requests_total", "RPCs served, by service, method and status code", ["service", "method", "code"]
 )
-RPC_IN_FLIGHT = Gauge(
+RPC_IN_FLIGHT = CachedGauge(
     "embedmesh_rpc_in_flight", "RPCs being served now, by service and method", ["service", "method"]
 )
-RPC_LATENCY = Histogram(
+RPC_LATENCY = CachedHistogram(
     "embedmesh_rpc_duration_seconds", "RPC handling time (whole stream for streaming RPCs)", ["service", "method"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )

@@ -171,3 +171,42 @@ def test_an_oversized_trace_context_value_is_ignored() -> None:
     assert otel_trace.get_current_span(short).get_span_context().is_valid
     huge = telemetry.extract_context([("traceparent", later + "x" * telemetry.MAX_TRACE_VALUE)])
     assert not otel_trace.get_current_span(huge).get_span_context().is_valid
+
+
+@pytest.mark.parametrize("kind", ["counter", "gauge", "histogram"])
+def test_cached_metrics_keep_their_children_and_export_what_prometheus_client_exports(kind: str) -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    plain_type, cached_type = {"counter": (Counter, telemetry.CachedCounter),
+                               "gauge": (Gauge, telemetry.CachedGauge),
+                               "histogram": (Histogram, telemetry.CachedHistogram)}[kind]
+    exported = []
+    for metric_type in (plain_type, cached_type):
+        registry = CollectorRegistry()
+        metric = metric_type("t_metric", "doc", ["model", "code"], registry=registry)
+        for model, code in [("a", "OK"), ("b", "OK"), ("a", "OK"), ("a", "NOT_FOUND")]:
+            child = metric.labels(model, code)
+            child.observe(2) if kind == "histogram" else child.inc(2)
+        child = metric.labels(model="b", code="OK")
+        child.observe(1) if kind == "histogram" else child.inc(1)
+        assert metric.labels("a", "OK") is metric.labels(model="a", code="OK")
+        exported.append([(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples
+                         if not s.name.endswith("_created")])
+    assert exported[0] == exported[1]  # the same series and values as prometheus_client's own metric
+    assert len(exported[0]) >= 3
+
+
+def test_a_removed_or_cleared_child_is_not_kept() -> None:
+    from prometheus_client import CollectorRegistry
+
+    metric = telemetry.CachedCounter("t_kept", "doc", ["model"], registry=CollectorRegistry())
+    first = metric.labels("a")
+    first.inc()
+    assert metric.labels("a") is first
+    metric.remove("a")
+    second = metric.labels("a")
+    assert second is not first and second._value.get() == 0
+    metric.clear()
+    assert metric.labels("a") is not second
+    with pytest.raises(ValueError):
+        metric.labels("a", "b")  # prometheus_client's own checks still run for values not seen before
