@@ -23,6 +23,7 @@ from starlette.requests import Request
 from embedmesh.core import auth
 from embedmesh.core.call_metadata import Added
 from embedmesh.core.server import mesh_channel
+from embedmesh.gateway import affinity
 from embedmesh.gateway.errors import ApiError
 
 __all__ = ["authenticate_request", "forwarding_channel", "needs_key"]
@@ -74,6 +75,11 @@ _FORWARD = Added(_forwarded, frozenset({"authorization"}))
 """The request's key replaces any ``authorization`` a call was given."""
 
 
+_AFFINITY = Added(affinity.metadata, frozenset({affinity.HEADER}))
+"""The request's image affinity key (``gateway.affinity``), which the gateway's Envoy egress hashes."""
+
+
 def forwarding_channel(address: str) -> grpc.aio.Channel:
-    """A channel to a mesh service that carries the client's key (TLS when configured, never the mesh token)."""
-    return mesh_channel(address, mesh_token=False, added=[_FORWARD])
+    """A channel to a mesh service that carries the client's key (TLS when configured, never the mesh token) and,
+    for a request carrying an image, its affinity key."""
+    return mesh_channel(address, mesh_token=False, added=[_FORWARD, _AFFINITY])
