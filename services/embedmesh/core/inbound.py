@@ -35,16 +35,12 @@ from embedmesh.core.errors import InvalidArgument, ResourceExhausted, Unavailabl
 
 __all__ = ["BadMessage", "safe_deserializer", "bad_message", "checked_stream", "first_message", "drain",
            "open_message", "peer_address", "DRAIN_MESSAGES", "DRAIN_SECONDS", "OPEN_MESSAGE_BYTES",
-           "OPEN_READS_PER_ADDRESS", "OPEN_READ_SECONDS", "UPLOAD_IDLE_SECONDS", "IDLE_BOUND_STREAMS"]
+           "OPEN_READS_PER_ADDRESS", "OPEN_READ_SECONDS", "UPLOAD_IDLE_SECONDS"]
 
 DRAIN_MESSAGES = 4096
 DRAIN_SECONDS = 10.0
 UPLOAD_IDLE_SECONDS = 30.0
-IDLE_BOUND_STREAMS = {"/embedmesh.cache.v1.EncoderCacheService/Put": "chunk"}
-"""Client streams that are uploads with an end, outside the pieces streams (which ``transport.pieces`` bounds alike),
-with the field their messages fill: each message arrives within ``UPLOAD_IDLE_SECONDS`` of the one before, or the
-call is refused (an authenticated upload that goes silent would hold its tenant's slot until the client's own
-deadline). Long-lived streams (a worker's registration, the multiplexed mesh streams) are not bounded."""
+"""How long an idle-bound upload (``checked_stream``'s ``idle_field``) may send nothing before its end."""
 OPEN_MESSAGE_BYTES = 4096
 """An open method's request (a health check names a service: tens of bytes), at most."""
 OPEN_READS_PER_ADDRESS = 2
@@ -82,14 +78,18 @@ def bad_message(method: str, m: BadMessage) -> InvalidArgument:
                            f"type ({m.error})", field="request", reason="MALFORMED_MESSAGE")
 
 
-async def checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
-    """The stream's messages, unparsable ones refused; an upload of ``IDLE_BOUND_STREAMS`` that goes silent for
-    ``UPLOAD_IDLE_SECONDS`` is refused INVALID_ARGUMENT ``IDLE_TIMEOUT`` naming its field."""
-    field = IDLE_BOUND_STREAMS.get(method)
+async def checked_stream(requests: AsyncIterator[Any], method: str,
+                         idle_field: str | None = None) -> AsyncIterator[Any]:
+    """The stream's messages, unparsable ones refused. ``idle_field``: the stream is an upload with an end, outside
+    the pieces streams (which ``transport.pieces`` bounds alike), whose messages fill that field (its servicer's
+    ``idle_bound_streams``, ``Server.add``): each message arrives within ``UPLOAD_IDLE_SECONDS`` of the one before,
+    or the call is refused INVALID_ARGUMENT ``IDLE_TIMEOUT`` naming the field (an authenticated upload that goes
+    silent would hold its tenant's slot until the client's own deadline). Long-lived streams (a worker's
+    registration, the multiplexed mesh streams) have none."""
     it = aiter(requests)
     while True:
         try:
-            if field is None:
+            if idle_field is None:
                 r = await anext(it)
             else:
                 async with asyncio.timeout(UPLOAD_IDLE_SECONDS):
@@ -97,8 +97,8 @@ async def checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIter
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise InvalidArgument(f"{field}: nothing arrived for {UPLOAD_IDLE_SECONDS:g} s; send the upload without "
-                                  "pausing", field=field, reason="IDLE_TIMEOUT") from None
+            raise InvalidArgument(f"{idle_field}: nothing arrived for {UPLOAD_IDLE_SECONDS:g} s; send the upload "
+                                  "without pausing", field=idle_field, reason="IDLE_TIMEOUT") from None
         if isinstance(r, BadMessage):
             raise bad_message(method, r)
         yield r

@@ -245,16 +245,17 @@ class Observed:
 
 
 async def _admit(request: Any, context: grpc.aio.ServicerContext, method: str, principal: auth.Principal,
-                 authz: Authorizer | None, streaming_in: bool, one: bool, owed: list[auth.Principal]) -> Any:
+                 authz: Authorizer | None, streaming_in: bool, one: bool, owed: list[auth.Principal],
+                 idle_field: str | None = None) -> Any:
     """For an authenticated call: read a unary request served as a stream (``one``: only now, see
-    ``core/inbound.py``), refuse unparsable request bytes, note a tenant whose limits apply (appended to ``owed``:
-    the caller takes its slot, ``auth.take_slot``, and releases it) and serve the rest of the call as its principal;
-    returns the request to hand on."""
+    ``core/inbound.py``), refuse unparsable request bytes (and a silent upload, ``idle_field``: see ``Server.add``),
+    note a tenant whose limits apply (appended to ``owed``: the caller takes its slot, ``auth.take_slot``, and
+    releases it) and serve the rest of the call as its principal; returns the request to hand on."""
     if one:
         request = await (inbound.open_message(request, method, context.peer()) if authz and authz.access is Access.OPEN
                          else inbound.first_message(request, method))
     if streaming_in:
-        request = inbound.checked_stream(request, method)
+        request = inbound.checked_stream(request, method, idle_field)
     elif isinstance(request, inbound.BadMessage):
         raise inbound.bad_message(method, request)
     if authz and authz.access is Access.PUBLIC and auth.limited(principal):
@@ -272,7 +273,8 @@ def _caller(context: grpc.aio.ServicerContext, metadata: Any, authz: Authorizer 
 
 
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, authz: Authorizer | None = None,
-                streaming_in: bool = False, one: bool = False) -> Callable[..., Awaitable[Any]]:
+                streaming_in: bool = False, one: bool = False,
+                idle_field: str | None = None) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         metadata = context.invocation_metadata()
         raw = request
@@ -282,7 +284,8 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, authz: Authorize
             principal: auth.Principal | None = None
             try:
                 principal = _caller(context, metadata, authz, obs)
-                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed)
+                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed,
+                                       idle_field)
                 if owed:
                     held = await auth.take_slot(owed[0])
                 return await fn(request, context)
@@ -302,6 +305,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, authz: Authorize
 def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str,
     authz: Authorizer | None = None, streaming_in: bool = False, one: bool = False, upload: bool = False,
+    idle_field: str | None = None,
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         metadata = context.invocation_metadata()
@@ -312,7 +316,8 @@ def _wrap_stream(
             principal: auth.Principal | None = None
             try:
                 principal = _caller(context, metadata, authz, obs)
-                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed)
+                request = await _admit(request, context, method, principal, authz, streaming_in, one, owed,
+                                       idle_field)
                 if owed:
                     held = await auth.take_slot(owed[0])
                 async for item in fn(request, context):
@@ -332,7 +337,8 @@ def _wrap_stream(
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | None,
                  require_client_cert: bool = False, read_after_auth: bool = False,
-                 parser: Callable[[bytes], Any] | None = None, upload: bool = False) -> grpc.RpcMethodHandler:
+                 parser: Callable[[bytes], Any] | None = None, upload: bool = False,
+                 idle_field: str | None = None) -> grpc.RpcMethodHandler:
     """``handler`` (of RPC ``method``) with what every RPC of the mesh gets: domain exceptions mapped to status codes
     with details (anything else becomes INTERNAL with an incident id), a server span parented by the caller's
     traceparent, Prometheus counts and latency, authentication for its ``access`` level, and request bytes that are
@@ -341,7 +347,7 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
 
     ``read_after_auth`` (public ports): a unary request is served as a one-message stream, read only once the
     caller is authenticated (``core/inbound.py``). ``parser``: the request deserializer the service handed over for
-    this RPC (``Server.add``), used instead of protobuf's. ``upload``: see ``Server.add``."""
+    this RPC (``Server.add``), used instead of protobuf's. ``upload``, ``idle_field``: see ``Server.add``."""
     authz = Authorizer(access, require_client_cert, method) if access is not None else None
     one = read_after_auth and authz is not None
     kw = dict(
@@ -366,12 +372,12 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, access: Access | N
         return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(
-            _wrap_unary(handler.stream_unary, method, authz, streaming_in=True), **kw)
+            _wrap_unary(handler.stream_unary, method, authz, streaming_in=True, idle_field=idle_field), **kw)
     if handler.stream_stream:
         fn = handler.stream_stream
         if inspect.isasyncgenfunction(fn):
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(fn, method, authz, streaming_in=True, upload=upload), **kw)
+                _wrap_stream(fn, method, authz, streaming_in=True, upload=upload, idle_field=idle_field), **kw)
     return handler  # the generated base class's UNIMPLEMENTED stub: nothing to protect
 
 
@@ -381,10 +387,11 @@ class _Registrar:
 
     def __init__(self, server: grpc.aio.Server, access_for: Callable[[str], Access], require_client_cert: bool,
                  read_after_auth: bool = False, parsers: Mapping[str, Callable[[bytes], Any]] | None = None,
-                 uploads: Iterable[str] = ()) -> None:
+                 uploads: Iterable[str] = (), idle_bound: Mapping[str, str] | None = None) -> None:
         self._server = server
         self._parsers = parsers or {}
         self._uploads = frozenset(uploads)
+        self._idle_bound = idle_bound or {}
         self._access_for = access_for
         self._require_client_cert = require_client_cert
         self._read_after_auth = read_after_auth
@@ -397,7 +404,7 @@ class _Registrar:
     def add_registered_method_handlers(self, service: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         wrapped = {name: wrap_handler(h, f"/{service}/{name}", self._access_for(f"/{service}/{name}"),
                                       self._require_client_cert, self._read_after_auth, self._parsers.get(name),
-                                      name in self._uploads)
+                                      name in self._uploads, self._idle_bound.get(name))
                    for name, h in method_handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
         self._server.add_registered_method_handlers(service, wrapped)
@@ -467,7 +474,9 @@ class Server:
         per RPC name (e.g. ``{"Stats": Access.ADMIN}``). ``parsers``: RPC name -> request deserializer used instead
         of protobuf's (one that keeps a message's tensor bytes uncopied); by default the servicer's own
         ``request_parsers``. ``uploads``: RPCs whose request stream is an upload with an end, not a long-lived stream
-        (a refusal waits for the client to finish sending, ``inbound.drain``); by default its ``upload_streams``."""
+        (a refusal waits for the client to finish sending, ``inbound.drain``); by default its ``upload_streams``.
+        The servicer's ``idle_bound_streams`` (RPC name -> the field its messages fill): uploads with an end, outside
+        the pieces streams, refused when they go silent (``inbound.checked_stream``); by default none."""
         self._service_names.append(full_name)
         self._access[full_name] = access
         for m, a in (methods or {}).items():
@@ -475,7 +484,7 @@ class Server:
         parsers = getattr(servicer, "request_parsers", None) if parsers is None else parsers
         uploads = getattr(servicer, "upload_streams", ()) if uploads is None else uploads
         registrar = _Registrar(self._server, self._access_for, self._require_client_cert, self.options.public,
-                               parsers, uploads)
+                               parsers, uploads, getattr(servicer, "idle_bound_streams", None))
         register(servicer, registrar)  # type: ignore[arg-type]
         if not registrar.registered:
             # Only the generated registration hands over its method handlers; anything else would be served

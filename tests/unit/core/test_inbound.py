@@ -138,10 +138,16 @@ async def test_a_public_port_serves_every_call_kind_after_authentication(serve_e
 
 
 class _Cache(cache_pb2_grpc.EncoderCacheServiceServicer):
+    idle_bound_streams = {"Put": "chunk"}  # as the encoder cache's servicer declares it (Server.add)
+
     async def Put(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802 - a stream-unary call
         async for _ in request_iterator:
             pass
         return cache_pb2.PutResponse()
+
+
+class _Unbound(_Cache):
+    idle_bound_streams: dict[str, str] = {}
 
 
 async def test_an_unauthenticated_upload_that_never_ends_is_refused_at_once(keys: None,
@@ -173,15 +179,18 @@ async def test_an_unauthenticated_upload_that_never_ends_is_refused_at_once(keys
         await server.drain()
 
 
+@pytest.mark.parametrize("servicer", [_Cache, _Unbound], ids=["declared", "not declared"])
 async def test_an_authenticated_upload_that_goes_silent_is_refused_naming_its_field(
-        keys: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        keys: None, monkeypatch: pytest.MonkeyPatch, servicer: type[_Cache]) -> None:
     """A keyed Put that sends its header and then nothing, never ending: INVALID_ARGUMENT IDLE_TIMEOUT naming
-    ``chunk`` after the idle bound (set here to 0.3 s), not held until the client's own deadline."""
+    ``chunk`` after the idle bound (set here to 0.3 s), not held until the client's own deadline — when its
+    servicer declares Put so (``idle_bound_streams``). The same RPC of a servicer that does not is not bounded:
+    core names no RPC (the client's own 1.5 s deadline ends it)."""
     from embedmesh.core.errors import from_rpc_error
 
     monkeypatch.setattr(inbound, "UPLOAD_IDLE_SECONDS", 0.3)
     server = Server("upload", ServerOptions(port=0, grace_seconds=0.2, public=True))
-    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, _Cache(),
+    server.add(cache_pb2_grpc.add_EncoderCacheServiceServicer_to_server, servicer(),
                "embedmesh.cache.v1.EncoderCacheService", access=Access.PUBLIC)
     await server.start()
     ch = insecure_channel(server.address)
@@ -195,13 +204,33 @@ async def test_an_authenticated_upload_that_goes_silent_is_refused_naming_its_fi
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await cache_pb2_grpc.EncoderCacheServiceStub(ch).Put(
-                silent(), metadata=(("authorization", "Bearer ka-12345678"),), timeout=30)
+                silent(), metadata=(("authorization", "Bearer ka-12345678"),),
+                timeout=30 if servicer.idle_bound_streams else 1.5)
+        if not servicer.idle_bound_streams:
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+            return
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         err = from_rpc_error(info.value)
         assert (err.field, err.reason) == ("chunk", "IDLE_TIMEOUT"), err
     finally:
         await ch.close()
         await server.drain()
+
+
+async def test_a_checked_stream_is_idle_bound_only_when_given_its_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inbound, "UPLOAD_IDLE_SECONDS", 0.05)
+
+    async def paused() -> AsyncIterator[str]:
+        yield "a"
+        await asyncio.sleep(0.2)
+        yield "b"
+
+    assert [r async for r in inbound.checked_stream(paused(), "/x.Y/Z")] == ["a", "b"]
+    got = []
+    with pytest.raises(InvalidArgument) as info:
+        async for r in inbound.checked_stream(paused(), "/x.Y/Z", "chunk"):
+            got.append(r)
+    assert got == ["a"] and (info.value.field, info.value.reason) == ("chunk", "IDLE_TIMEOUT")
 
 
 def test_a_unary_call_that_ends_without_its_message_is_invalid_argument() -> None:

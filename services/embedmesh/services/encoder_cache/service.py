@@ -54,6 +54,11 @@ async def lookup_upload(cache: TieredCache, name: str, field: str) -> CachedTens
 
 
 class EncoderCacheServicer(cache_pb2_grpc.EncoderCacheServiceServicer):
+    idle_bound_streams = {"Put": "chunk"}
+    """Uploads with an end, by RPC name, with the field their messages fill: ``Server.add`` hands them to
+    ``inbound.checked_stream``, so a Put that sends nothing for ``inbound.UPLOAD_IDLE_SECONDS`` is refused naming
+    ``chunk`` instead of holding its tenant's slot until the client's own deadline."""
+
     def __init__(self, cache: TieredCache, max_tensor_bytes: int) -> None:
         self.cache = cache
         self.max_tensor_bytes = max_tensor_bytes

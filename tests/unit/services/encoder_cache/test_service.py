@@ -4,6 +4,7 @@ isolation (over gRPC with real API keys, and as a table under principal scopes),
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from embedmesh.cache.v1 import cache_pb2, cache_pb2_grpc
-from embedmesh.core import auth
+from embedmesh.core import auth, inbound
 from embedmesh.core.auth import Access, Principal, principal_scope
 from embedmesh.core.errors import EmbedmeshError, from_rpc_error
 from embedmesh.core.server import Server, ServerOptions, insecure_channel
@@ -237,6 +238,27 @@ async def test_bad_uploads(stub: Any, cache: TieredCache, name: str, messages: A
     assert len(cache.l1) == entries, "nothing was stored"
     ok = await stub.Put(iter(raw(ROWS)))
     assert ok.stored
+
+
+async def test_a_put_that_goes_silent_is_refused_naming_chunk(stub: Any, cache: TieredCache,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servicer declares Put an idle-bound upload (``idle_bound_streams``; the server applies it): a Put that
+    sends its header and a chunk and then nothing, never ending, is refused after the bound (0.3 s here), not held
+    until the client's own deadline."""
+    monkeypatch.setattr(inbound, "UPLOAD_IDLE_SECONDS", 0.3)
+    entries = len(cache.l1)
+
+    async def silent() -> AsyncIterator[cache_pb2.PutRequest]:
+        yield raw(ROWS)[0]
+        yield cache_pb2.PutRequest(chunk=ROWS.tobytes()[:8])
+        await asyncio.Event().wait()
+        yield cache_pb2.PutRequest()
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Put(silent(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert (from_rpc_error(info.value).field, from_rpc_error(info.value).reason) == ("chunk", "IDLE_TIMEOUT")
+    assert len(cache.l1) == entries
 
 
 async def test_ttl_bounds_are_inclusive(stub: Any, cache: TieredCache) -> None:
