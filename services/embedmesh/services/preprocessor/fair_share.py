@@ -8,12 +8,16 @@ here, one queue per tenant and priority.
 What is shared is slot-time, not grants: a request holds its slot for as long as it generates, so counting grants
 would give a tenant of long requests more than its share. Each busy tenant (holding or waiting for a slot) has a
 *usage*: the slot-seconds it has held, divided by its key's ``weight``, growing by ``active / weight`` per second.
-A freed slot goes to the waiting tenant of the least usage (then of the fewest slots held per weight, then the one
-waiting longest). So a tenant of weight 4 holds four times the slot-time of a tenant of weight 1 while both have
-work waiting, and a tenant under its share (usage growing slower than the others') gets the next free slot ahead of
-the tenants over theirs. A tenant that becomes busy again starts at the least usage of the busy tenants: no credit
-is saved while idle, and an idle tenant's share goes to the others (nothing is reserved). A key's ``priority``:
-``batch`` work runs only while no ``interactive`` work waits.
+A freed slot goes to the waiting tenant whose usage would be least one typical hold later were it granted the slot
+(``usage + (active + 1) x hold / weight``, the hold a running mean; then the one waiting longest): the slots it
+holds now count as well as its past, so slots freed at the same instant are spread by weight rather than all given
+to one tenant. So a tenant of weight 4 holds four times the slot-time of a tenant of weight 1 while both have work
+waiting, and a tenant under its share gets the next free slot ahead of the tenants over theirs. A tenant that
+becomes busy again starts at the least usage of the busy tenants: no credit is saved while idle (an idle tenant's
+share goes to the others: nothing is reserved). Nor while busy beyond a bound: a tenant that held less than its
+share for a long while (not asking for more) is raised to within ``slots x hold / weight`` of the most used busy
+tenant, so a burst of it takes the slots for about one hold, not until its usage has caught up. A key's
+``priority``: ``batch`` work runs only while no ``interactive`` work waits.
 
 Nothing waits while a slot is free, so below saturation this costs a little bookkeeping. A waiter whose client went
 away leaves its queue; a slot granted to it as it left is given back. ``release`` is called by the task that
@@ -84,8 +88,10 @@ class FairShare:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
         """Busy tenants only (holding or waiting): bounded by the slots and the waiters."""
-        self._holders: dict[asyncio.Task[object] | None, list[str]] = {}
-        """Whose slots each task holds (``release`` comes from the task that acquired)."""
+        self._holders: dict[asyncio.Task[object] | None, list[tuple[str, float]]] = {}
+        """Whose slots each task holds, since when (``release`` comes from the task that acquired)."""
+        self._hold = 0.0
+        """Running mean of how long a slot is held (seconds)."""
         self._arrivals = itertools.count()
 
     async def acquire(self, tenant: str, weight: float = 1.0, priority: str = INTERACTIVE) -> None:
@@ -117,12 +123,15 @@ class FairShare:
         if not self.slots:
             return
         now = self._clock()
-        name = self._holder(asyncio.current_task())
+        name, since = self._holder(asyncio.current_task())
+        self._hold = now - since if not self._hold else 0.9 * self._hold + 0.1 * (now - since)
         t = self._tenants[name]
         t.settle(now)
         t.active -= 1
         self.active -= 1
         self._forget_if_idle(name)
+        if self.waiting:
+            self._bound_credit(now)
         while self.active < self.slots and self.waiting:
             picked = self._next(now)
             if picked is None:
@@ -146,17 +155,17 @@ class FairShare:
         t.settle(now)
         t.active += 1
         self.active += 1
-        self._holders.setdefault(task, []).append(name)
+        self._holders.setdefault(task, []).append((name, now))
 
-    def _holder(self, task: asyncio.Task[object] | None) -> str:
+    def _holder(self, task: asyncio.Task[object] | None) -> tuple[str, float]:
         """The tenant whose slot ``task`` gives back. Should the release come from another task (an abandoned
         generator closed later), a slot of a task that has ended is taken, else the oldest: every grant is
         released once, so every entry goes."""
         if task not in self._holders:
             task = next((k for k in self._holders if k is not None and k.done()), next(iter(self._holders)))
-        names = self._holders[task]
-        name = names.pop()
-        if not names:
+        held = self._holders[task]
+        name = held.pop()
+        if not held:
             del self._holders[task]
         return name
 
@@ -165,17 +174,25 @@ class FairShare:
         if t is not None and not t.active and all(t.head(p) is None for p in PRIORITIES):
             del self._tenants[name]
 
+    def _bound_credit(self, now: float) -> None:
+        """Raise each busy tenant's usage to within ``slots x hold / weight`` of the most used one's."""
+        top = max((t.usage(now) for t in self._tenants.values()), default=0.0)
+        for t in self._tenants.values():
+            floor = top - self.slots * self._hold / t.weight
+            if t.usage(now) < floor:
+                t.used, t.since = floor, now
+
     def _next(self, now: float) -> tuple[str, _Waiter] | None:
-        """The next waiter to serve: the first priority with waiters; in it, the tenant of least usage, then of
-        fewest slots held per weight, then waiting longest."""
+        """The next waiter to serve: the first priority with waiters; in it, the tenant of least usage one hold
+        later were it granted the slot, then the one waiting longest."""
         for priority in PRIORITIES:
-            best: tuple[float, float, int] | None = None
+            best: tuple[float, int] | None = None
             picked: tuple[str, _Waiter] | None = None
             for name, t in self._tenants.items():
                 head = t.head(priority)
                 if head is None:
                     continue
-                rank = (t.usage(now), t.active / t.weight, head.order)
+                rank = (t.usage(now) + (t.active + 1) * self._hold / t.weight, head.order)
                 if best is None or rank < best:
                     best, picked = rank, (name, head)
             if picked is not None:

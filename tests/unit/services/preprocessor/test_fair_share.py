@@ -118,14 +118,17 @@ async def test_off_means_no_bound() -> None:
     assert fs.active == 0 and fs.waiting == 0
 
 
-@pytest.mark.parametrize(("hold_a", "hold_b"), [(1.0, 1.0), (1.0, 2.5), (3.0, 0.7)])
-async def test_weights_4_to_1_share_slot_time_4_to_1_whatever_the_request_lengths(hold_a: float,
-                                                                                   hold_b: float) -> None:
+@pytest.mark.parametrize(("hold_a", "hold_b", "think"), [(1.0, 1.0, 0.0), (1.0, 2.5, 0.0), (3.0, 0.7, 0.0),
+                                                        (1.0, 1.0, 0.25)])
+async def test_weights_4_to_1_share_slot_time_4_to_1_whatever_the_request_lengths(hold_a: float, hold_b: float,
+                                                                                   think: float) -> None:
     """Both tenants backlogged on 8 slots (B's share 1.6: not a whole number of slots), requests of different
-    lengths per tenant: slot-time 4:1 within 10 %. Counting grants instead would give 4 x hold_a : hold_b."""
+    lengths per tenant: slot-time 4:1 within 10 %. Counting grants instead would give 4 x hold_a : hold_b. With
+    ``think``, each client pauses before asking again: B's requests, all ending at once, leave it idle a moment,
+    which must not wipe out what it has taken over its share (it would get 2 slots of 8, 3:1)."""
     sim = _Sim(8)
-    clients = [asyncio.create_task(sim.client("a", 4.0, hold_a)) for _ in range(20)]
-    clients += [asyncio.create_task(sim.client("b", 1.0, hold_b)) for _ in range(8)]
+    clients = [asyncio.create_task(sim.client("a", 4.0, hold_a, think=think)) for _ in range(20)]
+    clients += [asyncio.create_task(sim.client("b", 1.0, hold_b, think=think)) for _ in range(8)]
     await sim.run(clients, 400.0)
     a, b = sim.slot_time("a", 20.0, 400.0), sim.slot_time("b", 20.0, 400.0)
     assert a + b == pytest.approx(8 * 380.0, rel=0.01)  # saturated: no slot left idle
@@ -181,6 +184,21 @@ async def test_idleness_saves_no_credit() -> None:
     assert sim.slot_time("b", 0.0, 100.0) == 0.0
     a, b = sim.slot_time("a", 101.0, 130.0), sim.slot_time("b", 101.0, 130.0)
     assert a == pytest.approx(b, rel=0.10)
+
+
+async def test_credit_saved_while_holding_less_than_a_share_is_bounded() -> None:
+    """Equal weights, 4 slots: for 100 s X holds 3 and Y 1 (one long request; neither asks for more), then both
+    flood. Y has held 200 slot-seconds less, but takes the slots for about one hold, not for the tens of seconds
+    it would need to catch up: X keeps getting slots, and from then on they share 1:1."""
+    sim = _Sim(4)
+    clients = [asyncio.create_task(sim.client("x", 1.0, 1.0)) for _ in range(3)]
+    clients.append(asyncio.create_task(sim.client("y", 1.0, 1000.0)))
+    clients += [asyncio.create_task(sim.client(n, 1.0, 1.0, start=100.5)) for n in ("x", "y") for _ in range(8)]
+    await sim.run(clients, 140.0)
+    assert sim.slot_time("x", 0.0, 100.0) == pytest.approx(300.0) and sim.slot_time("y", 0.0, 100.0) == 100.0
+    assert sim.slot_time("x", 100.0, 110.0) >= 10.0
+    assert sim.slot_time("x", 110.0, 140.0) == pytest.approx(sim.slot_time("y", 110.0, 140.0), rel=0.10)
+    assert sim.slot_time("y", 0.0, 140.0) < sim.slot_time("x", 0.0, 140.0)  # Y did not catch up
 
 
 async def test_batch_waits_while_interactive_work_waits() -> None:
