@@ -1,12 +1,20 @@
 """Weighted fair share under saturation, measured through a real mesh (one mocker worker, the preprocessor's
-``--fair-share-slots``): tenant B alone; then tenant A offering ten times B's load (closed-loop clients: 10x the
-concurrency) beside B, with keys weighted 4:1, once with fair share and once first come, first served (the setting
-off: the worker's own queue decides). Streamed completions through the gateway with API keys (httpx); per tenant:
-TTFT p50/p99 and tokens served; in all: tokens/s.
+``--fair-share-slots``), with keys weighted A:B = 4:1 and closed-loop clients streaming completions through the
+gateway (httpx). Two shapes, because the issue's goals need different ones:
 
-Last line: ``fairshare: b_p99_over_alone=X served_ratio=Y throughput_over_fcfs=Z b_p99_fcfs_over_alone=W``.
+- *latency*: B's demand is below its share (1 client: at most 1 slot of its 2 of 10); A runs 20x B's clients. B's
+  TTFT beside A is compared with B alone, with first come first served, and with B first (A's key ``batch``: the
+  best any order of the slots can give B, so what remains is the worker's and the machine's, not the scheduler's).
+- *backlog*: both tenants want more than their share (A 20 clients, B 4): the served-token ratio shows the weights;
+  throughput is compared with first come, first served in the same shape, and with the slots at the worker's batch
+  (8), where a freed batch slot stays empty for a step while the next granted request travels to the worker.
 
-    python bench/bench_fairshare.py [--quick] [--seconds S] [--slots N]
+Per run: B's TTFT p50/p99, A's p99, tokens served per tenant, tokens/s. Last line:
+``fairshare: b_p99_over_alone=X b_p99_over_b_first=V b_p99_fcfs_over_alone=W served_ratio=Y
+throughput_over_fcfs=Z throughput_slots_at_batch_over_fcfs=Z8`` (X, V, W from the latency shape; Y from the backlog
+shape; Z the lower of both shapes'; Z8 the backlog shape's with 8 slots).
+
+    python bench/bench_fairshare.py [--quick] [--seconds S] [--slots N] [--b-clients N] [--backlog A,B]
 """
 
 from __future__ import annotations
@@ -78,6 +86,14 @@ async def _drive(base_url: str, concurrency: dict[str, int], seconds: float) -> 
     return tenants, elapsed
 
 
+def _keys(a_priority: str) -> Path:
+    keys = Path(tempfile.mkdtemp(prefix="embedmesh-fair-")) / "keys.json"
+    keys.write_text(json.dumps({"keys": [
+        {"key": k, "tenant": f"tenant-{n}", "weight": w, "priority": a_priority if n == "a" else "interactive"}
+        for n, (k, w) in KEYS.items()]}))
+    return keys
+
+
 def _scenario(keys: Path, slots: int, concurrency: dict[str, int], seconds: float) -> tuple[dict[str, Tenant], float]:
     mesh = start_mesh(engine="mocker", workers=1, env={
         "EMBEDMESH_API_KEYS_FILE": str(keys), "EMBEDMESH_PREPROCESSOR_FAIR_SHARE_SLOTS": str(slots),
@@ -89,52 +105,71 @@ def _scenario(keys: Path, slots: int, concurrency: dict[str, int], seconds: floa
         mesh.stop()
 
 
+def _tokens_per_s(run: tuple[dict[str, Tenant], float]) -> float:
+    tenants, elapsed = run
+    return sum(t.tokens for t in tenants.values()) / elapsed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs")
-    ap.add_argument("--seconds", type=float, default=0.0, help="length of each run (default 6, --quick 4)")
-    ap.add_argument("--slots", type=int, default=8, help="--fair-share-slots of the fair runs (the worker's batch: 8)")
-    ap.add_argument("--b-clients", type=int, default=2, help="tenant B's closed-loop clients (A gets 10x)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="length of each run (default 8, --quick 4)")
+    ap.add_argument("--slots", type=int, default=10, help="--fair-share-slots of the fair runs (the worker's batch "
+                    "is 8: two more keep it full while a granted request travels to the worker)")
+    ap.add_argument("--b-clients", type=int, default=1, help="latency shape: B's closed-loop clients (A gets 20x)")
+    ap.add_argument("--backlog", default="20,4", help="backlog shape: A's and B's closed-loop clients")
     a = ap.parse_args()
-    seconds = a.seconds or (4.0 if a.quick else 6.0)
-    keys = Path(tempfile.mkdtemp(prefix="embedmesh-fair-")) / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"key": k, "tenant": f"tenant-{n}", "weight": w}
-                                         for n, (k, w) in KEYS.items()]}))
-    both = {"a": 10 * a.b_clients, "b": a.b_clients}
+    seconds = a.seconds or (4.0 if a.quick else 8.0)
+    fair_keys, b_first_keys = _keys("interactive"), _keys("batch")
+    latency = {"a": 20 * a.b_clients, "b": a.b_clients}
+    na, nb = (int(x) for x in a.backlog.split(","))
+    backlog = {"a": na, "b": nb}
     print(f"fair share: 1 mocker worker (20 ms decode steps, batch 8), {MAX_TOKENS}-token streamed completions, "
-          f"weights A:B = {KEYS['a'][1]}:{KEYS['b'][1]}, {seconds:g} s per run", flush=True)
-    print("... B alone", flush=True)
-    alone, t_alone = _scenario(keys, a.slots, {"b": a.b_clients}, seconds)
-    print("... A (10x) + B, fair share", flush=True)
-    fair, t_fair = _scenario(keys, a.slots, both, seconds)
-    print("... A (10x) + B, first come first served", flush=True)
-    fcfs, t_fcfs = _scenario(keys, 0, both, seconds)
+          f"weights A:B = {KEYS['a'][1]}:{KEYS['b'][1]}, --fair-share-slots {a.slots}, {seconds:g} s per run",
+          flush=True)
+    runs: dict[str, tuple[dict[str, Tenant], float]] = {}
+    plan = [
+        (f"B alone ({a.b_clients} client)", fair_keys, a.slots, {"b": a.b_clients}),
+        (f"latency: A {latency['a']} + B {a.b_clients}, fair share", fair_keys, a.slots, latency),
+        (f"latency: A {latency['a']} + B {a.b_clients}, B first (A batch)", b_first_keys, a.slots, latency),
+        (f"latency: A {latency['a']} + B {a.b_clients}, first come first served", fair_keys, 0, latency),
+        (f"backlog: A {na} + B {nb}, fair share", fair_keys, a.slots, backlog),
+        (f"backlog: A {na} + B {nb}, first come first served", fair_keys, 0, backlog),
+        (f"backlog: A {na} + B {nb}, fair share, slots = batch (8)", fair_keys, 8, backlog),
+    ]
+    for name, keys, slots, concurrency in plan:
+        print(f"... {name}", flush=True)
+        runs[name] = _scenario(keys, slots, concurrency, seconds)
 
-    print("\n| run | B TTFT p50 ms | B TTFT p99 ms | A TTFT p99 ms | A tokens | B tokens | A:B | tokens/s | failed |")
-    print("|---|---|---|---|---|---|---|---|---|")
-
-    def row(name: str, t: dict[str, Tenant], elapsed: float) -> None:
+    print("\n| run | B TTFT p50 ms | B TTFT p99 ms | B requests | A TTFT p99 ms | A tokens | B tokens | A:B | "
+          "tokens/s | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, (t, elapsed) in runs.items():
         b, aa = t["b"], t.get("a", Tenant())
         ratio = aa.tokens / b.tokens if b.tokens and aa.tokens else float("nan")
-        print(f"| {name} | {_pct(b.ttft, 0.5) * 1e3:.0f} | {_pct(b.ttft, 0.99) * 1e3:.0f} | "
+        print(f"| {name} | {_pct(b.ttft, 0.5) * 1e3:.0f} | {_pct(b.ttft, 0.99) * 1e3:.0f} | {len(b.ttft)} | "
               f"{_pct(aa.ttft, 0.99) * 1e3:.0f} | {aa.tokens} | {b.tokens} | {ratio:.2f} | "
               f"{(aa.tokens + b.tokens) / elapsed:.0f} | {aa.failed + b.failed} |")
-
-    row(f"B alone ({a.slots} slots)", alone, t_alone)
-    row(f"A 10x + B, fair share ({a.slots} slots)", fair, t_fair)
-    row("A 10x + B, first come first served", fcfs, t_fcfs)
+    alone, l_fair, l_first, l_fcfs, k_fair = (runs[p[0]][0] for p in plan[:5])
     b_alone = _pct(alone["b"].ttft, 0.99)
-    x = _pct(fair["b"].ttft, 0.99) / b_alone
-    y = fair["a"].tokens / max(fair["b"].tokens, 1)
-    z = ((fair["a"].tokens + fair["b"].tokens) / t_fair) / ((fcfs["a"].tokens + fcfs["b"].tokens) / t_fcfs)
-    w = _pct(fcfs["b"].ttft, 0.99) / b_alone
+    x = _pct(l_fair["b"].ttft, 0.99) / b_alone
+    v = _pct(l_fair["b"].ttft, 0.99) / _pct(l_first["b"].ttft, 0.99)
+    w = _pct(l_fcfs["b"].ttft, 0.99) / b_alone
+    y = k_fair["a"].tokens / max(k_fair["b"].tokens, 1)
+    z = min(_tokens_per_s(runs[plan[1][0]]) / _tokens_per_s(runs[plan[3][0]]),
+            _tokens_per_s(runs[plan[4][0]]) / _tokens_per_s(runs[plan[5][0]]))
     share = a.slots * KEYS["b"][1] / (KEYS["a"][1] + KEYS["b"][1])
-    print(f"\nB's {a.b_clients} closed-loop clients ask for up to {a.b_clients} slots; its share at these weights is "
-          f"{share:.1f} of {a.slots}, so B waits for its turn part of the time and A:B is above 4 whenever B has "
-          f"nothing waiting (an idle tenant's share goes to the others). On this 2-core machine the mesh's own CPU "
-          f"is part of every TTFT: compare the runs, not the figures with other machines.")
-    print(f"fairshare: b_p99_over_alone={x:.2f} served_ratio={y:.2f} throughput_over_fcfs={z:.2f} "
-          f"b_p99_fcfs_over_alone={w:.2f}")
+    print(f"\nB's share at these weights is {share:.1f} of {a.slots} slots. Latency shape: B asks for at most "
+          f"{a.b_clients} slot(s), under its share, so it gets the next slot that frees; a tenant that asks for "
+          f"more than its share must wait for its turn, which is why B's latency is measured below its share and "
+          f"the ratio with both tenants backlogged. B first is the best any order of the slots can do for B: the "
+          f"rest of its TTFT under load is the worker's (a slot frees only when a sequence ends; the first token "
+          f"waits for the running step) and the machine's (on 2 cores the clients and the mesh share the CPU). "
+          f"With the slots at the worker's batch, a batch slot freed stays empty for a step while the next granted "
+          f"request travels to the worker: tokens/s falls by about a step in each request's length.")
+    z8 = _tokens_per_s(runs[plan[6][0]]) / _tokens_per_s(runs[plan[5][0]])
+    print(f"fairshare: b_p99_over_alone={x:.2f} b_p99_over_b_first={v:.2f} b_p99_fcfs_over_alone={w:.2f} "
+          f"served_ratio={y:.2f} throughput_over_fcfs={z:.2f} throughput_slots_at_batch_over_fcfs={z8:.2f}")
 
 
 if __name__ == "__main__":
