@@ -66,8 +66,9 @@ class PreprocessorConfig(Settings, service="preprocessor", prog="embedmesh-prepr
     """Requests (completions, chats, embeddings) served at once; past it a new one is refused at once with
     UNAVAILABLE ``OVERLOADED`` and a retry delay."""
     fair_share_slots: int = 0
-    """Generations run at once before the rest wait and are served by their keys' weight and priority (about the
-    workers' batch slots in all); 0 = off, first come, first served."""
+    """Generations run at once before the rest wait and are served by their keys' weight and priority (the
+    workers' batch slots in all plus a couple: a slot freed between two engine steps is filled without idling the
+    batch); 0 = off, first come, first served."""
     drain_seconds: float = option(30.0, aliases=("EMBEDMESH_DRAIN_GRACE_SECONDS",))
     """On SIGTERM: how long in-flight calls may finish before the worker channels close."""
 
