@@ -36,18 +36,24 @@ from dataclasses import dataclass, field
 from embedmesh.core.auth import PRIORITIES
 from embedmesh.services.preprocessor.metrics import FAIR_SHARE_WAITING as WAITING
 
-__all__ = ["FairShare", "INTERACTIVE", "BATCH", "PRIORITIES"]
+__all__ = ["FairShare", "Slot", "INTERACTIVE", "BATCH", "PRIORITIES"]
 
 INTERACTIVE, BATCH = PRIORITIES
 """A key's priorities, served in this order: a batch request waits while any interactive one does."""
 
 
+@dataclass(eq=False)
+class Slot:
+    """One granted slot: whose it is and since when; handed back to ``FairShare.release`` once."""
+
+    tenant: str
+    since: float
+
+
 @dataclass
 class _Waiter:
     order: int
-    fut: asyncio.Future[None]
-    task: asyncio.Task[object] | None
-    """The waiting task: once granted, its slot is released from there."""
+    fut: asyncio.Future[Slot]
 
 
 @dataclass
@@ -88,30 +94,28 @@ class FairShare:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
         """Busy tenants only (holding or waiting): bounded by the slots and the waiters."""
-        self._holders: dict[asyncio.Task[object] | None, list[tuple[str, float]]] = {}
-        """Whose slots each task holds, since when (``release`` comes from the task that acquired)."""
         self._hold = 0.0
         """Running mean of how long a slot is held (seconds)."""
         self._arrivals = itertools.count()
 
-    async def acquire(self, tenant: str, weight: float = 1.0, priority: str = INTERACTIVE) -> None:
-        """Wait for a slot (at once when one is free and nobody waits); ``release`` it when done, from this task."""
+    async def acquire(self, tenant: str, weight: float = 1.0, priority: str = INTERACTIVE) -> Slot | None:
+        """Wait for a slot (at once when one is free and nobody waits); hand it to ``release`` when done (None:
+        fair share is off, nothing to give back)."""
         if not self.slots:
-            return
+            return None
         now = self._clock()
         t = self._tenant(tenant, weight, now)
         if self.active < self.slots and not self.waiting:
-            self._grant(t, tenant, now, asyncio.current_task())
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        t.queues[priority].append(_Waiter(next(self._arrivals), fut, asyncio.current_task()))
+            return self._grant(t, tenant, now)
+        fut: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        t.queues[priority].append(_Waiter(next(self._arrivals), fut))
         self.waiting += 1
         WAITING.labels(priority).inc()
         try:
-            await fut  # granted: counted as held by this task (``_grant`` in ``release``)
+            return await fut  # granted in ``release``
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release()  # granted as the caller left: the slot goes to the next one
+                self.release(fut.result())  # granted as the caller left: the slot goes to the next one
             else:
                 self.waiting -= 1
                 self._forget_if_idle(tenant)
@@ -119,11 +123,12 @@ class FairShare:
         finally:
             WAITING.labels(priority).dec()
 
-    def release(self) -> None:
-        if not self.slots:
+    def release(self, slot: Slot | None) -> None:
+        """Give ``slot`` back (once); the next waiter, if any, gets it."""
+        if slot is None or not self.slots:
             return
         now = self._clock()
-        name, since = self._holder(asyncio.current_task())
+        name, since = slot.tenant, slot.since
         self._hold = now - since if not self._hold else 0.9 * self._hold + 0.1 * (now - since)
         t = self._tenants[name]
         t.settle(now)
@@ -138,8 +143,7 @@ class FairShare:
                 return
             name, w = picked
             self.waiting -= 1
-            self._grant(self._tenants[name], name, now, w.task)
-            w.fut.set_result(None)
+            w.fut.set_result(self._grant(self._tenants[name], name, now))
 
     def _tenant(self, name: str, weight: float, now: float) -> _Tenant:
         t = self._tenants.get(name)
@@ -151,23 +155,11 @@ class FairShare:
             t.weight = weight
         return t
 
-    def _grant(self, t: _Tenant, name: str, now: float, task: asyncio.Task[object] | None) -> None:
+    def _grant(self, t: _Tenant, name: str, now: float) -> Slot:
         t.settle(now)
         t.active += 1
         self.active += 1
-        self._holders.setdefault(task, []).append((name, now))
-
-    def _holder(self, task: asyncio.Task[object] | None) -> tuple[str, float]:
-        """The tenant whose slot ``task`` gives back. Should the release come from another task (an abandoned
-        generator closed later), a slot of a task that has ended is taken, else the oldest: every grant is
-        released once, so every entry goes."""
-        if task not in self._holders:
-            task = next((k for k in self._holders if k is not None and k.done()), next(iter(self._holders)))
-        held = self._holders[task]
-        name = held.pop()
-        if not held:
-            del self._holders[task]
-        return name
+        return Slot(name, now)
 
     def _forget_if_idle(self, name: str) -> None:
         t = self._tenants.get(name)

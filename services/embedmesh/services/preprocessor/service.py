@@ -413,12 +413,12 @@ class InferenceDomain:
         # Under saturation, the tenant's turn by its key's weight and priority (fair_share.py); at once otherwise.
         p = current_principal()
         key = p.key
-        await self.fair.acquire(p.tenant, key.weight if key else 1.0, key.priority if key else INTERACTIVE)
+        slot = await self.fair.acquire(p.tenant, key.weight if key else 1.0, key.priority if key else INTERACTIVE)
         try:
             async for item in run_job(job, self.pool, self.router):
                 yield item
         finally:
-            self.fair.release()
+            self.fair.release(slot)
 
     async def _stream(self, job: Job) -> AsyncIterator[Choice | Usage]:
         """Deltas as they come (echo before a choice's first); with tools, each choice whole at its end, its calls

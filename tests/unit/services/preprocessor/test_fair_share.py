@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from embedmesh.services.preprocessor.fair_share import BATCH, FairShare
+from embedmesh.services.preprocessor.fair_share import BATCH, FairShare, Slot
 
 
 @dataclass
@@ -42,12 +42,12 @@ class _Sim:
         await self.wait_until(start)
         while True:
             self.asked.append((self.now, tenant))
-            await self.fs.acquire(tenant, weight, priority)
+            slot = await self.fs.acquire(tenant, weight, priority)
             granted = self.now
             self.grants.append((granted, tenant))
             await self.wait_until(self.now + hold)
             self.held.append((tenant, granted, self.now))
-            self.fs.release()
+            self.fs.release(slot)
             if think:
                 await self.wait_until(self.now + think)
 
@@ -80,20 +80,22 @@ class _Sim:
         return done + open_
 
 
-async def _order(fs: FairShare, waiters: list[tuple[str, float, str]], grants: int) -> list[str]:
-    """Queue ``waiters`` (tenant, weight, priority) behind full slots, then release ``grants`` times; the tenants
-    in the order they got a slot."""
+async def _order(fs: FairShare, held: list[Slot | None], waiters: list[tuple[str, float, str]],
+                 grants: int) -> list[str]:
+    """Queue ``waiters`` (tenant, weight, priority) behind the full slots ``held``, then release ``grants`` slots
+    (the held ones first, then those granted, oldest first); the tenants in the order they got a slot."""
     served: list[str] = []
+    slots = list(held)
 
     async def one(tenant: str, weight: float, priority: str) -> None:
-        await fs.acquire(tenant, weight, priority)
+        slots.append(await fs.acquire(tenant, weight, priority))
         served.append(tenant)
 
     tasks = [asyncio.create_task(one(*w)) for w in waiters]
     await asyncio.sleep(0)
     assert fs.waiting == len(waiters)
     for _ in range(grants):
-        fs.release()
+        fs.release(slots.pop(0))
         await asyncio.sleep(0)
     for t in tasks:
         t.cancel()
@@ -104,9 +106,10 @@ async def _order(fs: FairShare, waiters: list[tuple[str, float, str]], grants: i
 async def test_free_slots_are_taken_at_once_and_nothing_waits_below_saturation() -> None:
     fs = FairShare(2)
     await fs.acquire("a")
-    await fs.acquire("b")
+    b = await fs.acquire("b")
     assert fs.active == 2 and fs.waiting == 0
-    fs.release()
+    assert b is not None and b.tenant == "b"
+    fs.release(b)
     await fs.acquire("a")
     assert fs.active == 2
 
@@ -114,7 +117,8 @@ async def test_free_slots_are_taken_at_once_and_nothing_waits_below_saturation()
 async def test_off_means_no_bound() -> None:
     fs = FairShare(0)
     for _ in range(1000):
-        await fs.acquire("a")
+        assert await fs.acquire("a") is None
+    fs.release(None)
     assert fs.active == 0 and fs.waiting == 0
 
 
@@ -203,8 +207,8 @@ async def test_credit_saved_while_holding_less_than_a_share_is_bounded() -> None
 
 async def test_batch_waits_while_interactive_work_waits() -> None:
     fs = FairShare(1)
-    await fs.acquire("x")
-    served = await _order(fs, [("bulk", 100.0, BATCH)] * 5 + [("chat", 1.0, "interactive")] * 3, 6)
+    x = await fs.acquire("x")
+    served = await _order(fs, [x], [("bulk", 100.0, BATCH)] * 5 + [("chat", 1.0, "interactive")] * 3, 6)
     assert served == ["chat", "chat", "chat", "bulk", "bulk", "bulk"]
 
 
@@ -220,25 +224,25 @@ async def test_batch_waits_even_when_the_interactive_tenant_is_over_its_share() 
 
 async def test_a_waiter_that_leaves_gives_its_place_back() -> None:
     fs = FairShare(1)
-    await fs.acquire("x")
+    x = await fs.acquire("x")
     leaving = asyncio.create_task(fs.acquire("a"))
     staying = asyncio.create_task(fs.acquire("b"))
     await asyncio.sleep(0)
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
     assert fs.waiting == 1
-    fs.release()
+    fs.release(x)
     await asyncio.wait_for(staying, 1)  # the slot went to b, not to the caller that left
     assert fs.active == 1 and fs.waiting == 0
 
 
 async def test_a_slot_granted_as_its_waiter_leaves_goes_to_the_next() -> None:
     fs = FairShare(1)
-    await fs.acquire("x")
+    x = await fs.acquire("x")
     leaving = asyncio.create_task(fs.acquire("a"))
     staying = asyncio.create_task(fs.acquire("b"))
     await asyncio.sleep(0)
-    fs.release()  # granted to a ...
+    fs.release(x)  # granted to a ...
     leaving.cancel()  # ... which leaves before it runs
     assert isinstance((await asyncio.gather(leaving, return_exceptions=True))[0], asyncio.CancelledError)
     await asyncio.wait_for(staying, 1)
@@ -254,18 +258,34 @@ async def test_slots_are_never_over_granted_under_churn(rounds: int) -> None:
     async def user(i: int) -> None:
         nonlocal peak
         for _ in range(5):
-            await fs.acquire(f"t{i % 4}", 1.0 + i % 3, BATCH if i % 5 == 0 else "interactive")
+            slot = await fs.acquire(f"t{i % 4}", 1.0 + i % 3, BATCH if i % 5 == 0 else "interactive")
             peak = max(peak, fs.active)
             await asyncio.sleep(rng.random() / 1000)
-            fs.release()
+            fs.release(slot)
 
     async def leaver(i: int) -> None:
         task = asyncio.create_task(fs.acquire(f"t{i % 4}"))
         await asyncio.sleep(rng.random() / 1000)
         task.cancel()
-        if not isinstance((await asyncio.gather(task, return_exceptions=True))[0], BaseException):
-            fs.release()
+        got = (await asyncio.gather(task, return_exceptions=True))[0]
+        if not isinstance(got, BaseException):
+            fs.release(got)
 
     await asyncio.gather(*(user(i) for i in range(rounds // 5)), *(leaver(i) for i in range(rounds // 5)))
     assert peak <= 3 and fs.active == 0 and fs.waiting == 0
     assert not fs._tenants  # nothing kept for tenants that are gone
+
+
+async def test_a_slot_given_back_from_another_task_is_its_own_tenants() -> None:
+    """A generation's slot may be given back by whoever closes it (an abandoned stream closed later): the slot
+    names its tenant, so the right tenant's hold ends."""
+    fs = FairShare(2)
+    a = await fs.acquire("a")
+    await fs.acquire("b")
+    await asyncio.create_task(_release_later(fs, a))
+    assert set(fs._tenants) == {"b"} and fs._tenants["b"].active == 1 and fs.active == 1
+
+
+async def _release_later(fs: FairShare, slot: Slot | None) -> None:
+    await asyncio.sleep(0)
+    fs.release(slot)
