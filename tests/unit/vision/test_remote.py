@@ -256,16 +256,22 @@ class MeanEncoder:
         return np.tile(np.concatenate([mean, mean, mean[:2]]), (2, 1)).astype(np.float32)
 
 
-async def test_a_replica_that_accepts_but_never_answers_is_skipped_for_a_working_one() -> None:
-    """The hung port comes first in the round robin for GetInfo, then for the second image's Encode: each call goes
-    on to the working replica (the real ImageEncoderService) once the hung one did not connect in the bound, not
-    after gRPC's own ~20 s connect timeout."""
+async def real_service() -> tuple[ImageEncoders, Server]:
+    """The real ImageEncoderService on a free port, encoding with ``MeanEncoder`` (its encodes counted)."""
     encoders = ImageEncoders("counting", MeanEncoder, {"m": Path("/models/m")}.get, max_pixels=64 * 64, max_queue=4,
                              models=("m",))
     server = Server("image-encoder", ServerOptions(port=0, grace_seconds=0.2))
     server.add(imageencoder_pb2_grpc.add_ImageEncoderServiceServicer_to_server, ImageEncoderServicer(encoders),
                SERVICE_NAME)
     await server.start()
+    return encoders, server
+
+
+async def test_a_replica_that_accepts_but_never_answers_is_skipped_for_a_working_one() -> None:
+    """The hung port comes first in the round robin for GetInfo, then for the second image's Encode: each call goes
+    on to the working replica (the real ImageEncoderService) once the hung one did not connect in the bound, not
+    after gRPC's own ~20 s connect timeout."""
+    encoders, server = await real_service()
     async with HungPort() as hung:
         s = stage(hung.address, server.address)
         try:
@@ -313,12 +319,7 @@ async def test_a_replica_slow_to_connect_goes_last_for_a_while(monkeypatch: pyte
         return ok
 
     monkeypatch.setattr(remote.EncodeServiceClient, "_connected", counting)
-    encoders = ImageEncoders("counting", MeanEncoder, {"m": Path("/models/m")}.get, max_pixels=64 * 64, max_queue=4,
-                             models=("m",))
-    server = Server("image-encoder", ServerOptions(port=0, grace_seconds=0.2))
-    server.add(imageencoder_pb2_grpc.add_ImageEncoderServiceServicer_to_server, ImageEncoderServicer(encoders),
-               SERVICE_NAME)
-    await server.start()
+    encoders, server = await real_service()
     async with HungPort() as hung:
         s = stage(hung.address, server.address)
         try:
