@@ -24,7 +24,7 @@ SCRIPTS = ["bench_fastpath.py", "bench_cpu.py", "bench_mesh.py", "bench_encoder_
            "bench_vector_search_e2e.py", "bench_vllm.py", "overload.py", "bench_openai_surface.py",
            "bench_structured.py", "bench_lora.py", "bench_fleet.py", "bench_fairshare.py", "bench_abuse.py",
            "bench_prompt_cache.py", "bench_batch.py", "bench_migration.py", "bench_responses_turns.py",
-           "bench_hf_prefix.py", "bench_hf_routing.py", "bench_refusal_cpu.py"]
+           "bench_hf_prefix.py", "bench_hf_routing.py", "bench_refusal_cpu.py", "bench_image_affinity.py"]
 
 
 def run(path: Path, args: list[str]) -> tuple[int, str]:
