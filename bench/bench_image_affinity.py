@@ -1,6 +1,6 @@
 """Image affinity across preprocessor replicas, end to end: what a repeated image costs with the gateway's affinity
-key hashed by Envoy (the generated egress, ``generate.loopback(caller="gateway")``: MAGLEV on
-``x-embedmesh-affinity``) and without it (the same config, hash policy taken out, ROUND_ROBIN), in one run.
+key hashed by Envoy (the generated egress, ``generate.loopback(caller="gateway")``: a MAGLEV twin of the cluster for
+requests carrying ``x-embedmesh-affinity``) and without it (the same config, twins taken out, ROUND_ROBIN), in one run.
 
 Processes, all real and on loopback: two echo workers, two preprocessor replicas (each its own in-process
 EfficientNet-Lite0 encoder and L1 cache), the two Envoys in front of the same two replicas, and one gateway in front
@@ -71,14 +71,13 @@ def images(count: int, offset: int) -> list[str]:
 
 
 def round_robin(config: dict[str, Any]) -> dict[str, Any]:
-    """The generated affinity egress with its hash policy taken out, on ROUND_ROBIN."""
+    """The generated affinity egress without its hashing twins (routes and cluster), on ROUND_ROBIN."""
     plain = copy.deepcopy(config)
     for listener in plain["static_resources"]["listeners"]:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-            route["route"].pop("hash_policy")
-    for cluster in plain["static_resources"]["clusters"]:
-        cluster["lb_policy"] = "ROUND_ROBIN"
+        vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+        vhost["routes"] = [r for r in vhost["routes"] if "hash_policy" not in r["route"]]
+    plain["static_resources"]["clusters"] = [{**c, "lb_policy": "ROUND_ROBIN"} for c in plain["static_resources"][
+        "clusters"] if c["lb_policy"] != "MAGLEV"]
     return plain
 
 
@@ -130,8 +129,9 @@ def _generator() -> Any:
 def _envoy_healthy(admin: int) -> bool:
     text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2).read().decode()
     flags = [line.split("::")[3] for line in text.splitlines()
-             if line.startswith("preprocessor::") and line.split("::")[2] == "health_flags"]
-    return len(flags) == 2 and all(f == "healthy" for f in flags)
+             if line.split("::")[0] in ("preprocessor", "preprocessor_affinity")
+             and line.split("::")[2] == "health_flags"]
+    return len(flags) in (2, 4) and all(f == "healthy" for f in flags)
 
 
 def encodes(metrics_ports: list[int]) -> int:

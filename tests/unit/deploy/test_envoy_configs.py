@@ -115,8 +115,8 @@ def test_egress_clusters_balance_per_request_over_healthy_pods() -> None:
         for callee in svc.get("calls", []):
             c = clusters[callee]
             assert c["type"] == "STRICT_DNS"
-            # The gateway's egress to the preprocessor picks by image affinity (test_image_affinity_...).
-            assert c["lb_policy"] == ("MAGLEV" if (name, callee) == ("gateway", "preprocessor") else "LEAST_REQUEST")
+            # Requests with an image affinity key go to a hashed twin instead (test_image_affinity_...).
+            assert c["lb_policy"] == "LEAST_REQUEST"
             http = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
             assert "http2_protocol_options" in http["explicit_http_config"]
             (check,) = c["health_checks"]
@@ -128,8 +128,10 @@ def test_egress_clusters_balance_per_request_over_healthy_pods() -> None:
 
 @pytest.mark.parametrize("variant", ["", "mtls"])
 def test_image_affinity_only_on_the_gateways_egress_to_the_preprocessor(variant: str) -> None:
-    """The gateway names a request carrying an image by its affinity key (gateway/affinity.py); its sidecar hashes
-    that header on every route to the preprocessor over a consistent-hashing cluster. No other egress hashes."""
+    """The gateway names a request carrying an image by its affinity key (gateway/affinity.py); its sidecar sends
+    such a request by a twin of each route, matching the header and hashing it onto a MAGLEV twin of the
+    preprocessor cluster (the same pods); a request without it takes the plain route, least request. No other
+    egress hashes."""
     from embedmesh.gateway.affinity import HEADER
 
     hashed = []
@@ -137,18 +139,27 @@ def test_image_affinity_only_on_the_gateways_egress_to_the_preprocessor(variant:
         config = _config(name, variant)["static_resources"]
         clusters = {c["name"]: c for c in config["clusters"]}
         for listener in config["listeners"]:
-            policies = [r["route"].get("hash_policy") for r in _routes(listener)]
+            routes = _routes(listener)
+            policies = [r["route"].get("hash_policy") for r in routes]
             if listener["name"] == "egress_preprocessor" and name == "gateway":
-                assert policies == [[{"header": {"header_name": HEADER}}]] * len(policies)
-                assert {r["route"]["cluster"] for r in _routes(listener)} == {"preprocessor"}
-                assert clusters["preprocessor"]["lb_policy"] == "MAGLEV"
+                twins, plain = routes[0::2], routes[1::2]
+                assert len(twins) == len(plain) > 1
+                for twin, route in zip(twins, plain, strict=True):
+                    assert twin["match"] == {**route["match"], "headers": [{"name": HEADER, "present_match": True}]}
+                    assert twin["route"] == {**route["route"], "cluster": "preprocessor_affinity",
+                                             "hash_policy": [{"header": {"header_name": HEADER}}]}
+                    assert route["route"]["cluster"] == "preprocessor" and "hash_policy" not in route["route"]
+                affinity = clusters["preprocessor_affinity"]
+                assert affinity["lb_policy"] == "MAGLEV" and clusters["preprocessor"]["lb_policy"] == "LEAST_REQUEST"
+                assert affinity["load_assignment"]["endpoints"] == clusters["preprocessor"]["load_assignment"][
+                    "endpoints"]
                 hashed.append(name)
             else:
                 assert policies == [None] * len(policies), (name, listener["name"])
         assert all(c.get("lb_policy") in (None, "LEAST_REQUEST") for c in clusters.values()
-                   if name != "gateway" or c["name"] != "preprocessor"), name
+                   if c["name"] != "preprocessor_affinity"), name
     assert hashed == ["gateway"]
-    assert "preprocessor" in mesh()["services"]["vector-store"]["calls"]  # another caller, left on LEAST_REQUEST
+    assert "preprocessor" in mesh()["services"]["vector-store"]["calls"]  # another caller, left unhashed
 
 
 def test_loopback_variant_hashes_as_the_named_callers_sidecar() -> None:
@@ -156,10 +167,12 @@ def test_loopback_variant_hashes_as_the_named_callers_sidecar() -> None:
     plain = gen.loopback(mesh())
     as_gateway = gen.loopback(mesh(), caller="gateway")
     assert plain == _config("loopback/preprocessor")  # the committed file: no caller, no hashing
-    assert plain["static_resources"]["clusters"][0]["lb_policy"] == "LEAST_REQUEST"
-    assert as_gateway["static_resources"]["clusters"][0]["lb_policy"] == "MAGLEV"
+    assert [c["lb_policy"] for c in plain["static_resources"]["clusters"]] == ["LEAST_REQUEST"]
+    assert [(c["name"], c["lb_policy"]) for c in as_gateway["static_resources"]["clusters"]] == [
+        ("preprocessor", "LEAST_REQUEST"), ("preprocessor_affinity", "MAGLEV")]
     routes = _routes(as_gateway["static_resources"]["listeners"][0])
-    assert all(r["route"]["hash_policy"] == [{"header": {"header_name": "x-embedmesh-affinity"}}] for r in routes)
+    assert [r["route"].get("hash_policy") for r in routes] == [
+        [{"header": {"header_name": "x-embedmesh-affinity"}}], None] * (len(routes) // 2)
     assert gen.loopback(mesh(), caller="vector-store") == plain
 
 
@@ -291,8 +304,9 @@ def test_mtls_variant_puts_tls_on_every_mesh_leg(name: str) -> None:
         tls = _tls_of(cluster["transport_socket"])
         _checks_mesh_files(tls["common_tls_context"])
         ns = mesh()["namespace"]
+        callee = cluster["name"].removesuffix(gen.AFFINITY_SUFFIX)  # the hashed twin reaches the same pods
         peer = f"{name}.{ns}.svc.cluster.local" if cluster["name"] == "local_app" else gen.headless_host(
-            mesh(), cluster["name"])
+            mesh(), callee)
         assert tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] == [
             {"san_type": "DNS", "matcher": {"exact": peer}}], (name, cluster["name"])
         if cluster["name"] != "local_app":
