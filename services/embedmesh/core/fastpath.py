@@ -15,6 +15,8 @@ cut-out tensor views        ``core.transport.wire.split_*_request``: rows as vie
                             received buffer
 RESP client                 ``encoder_cache.resp``: Redis bulk values straight       redis-py for every command
                             into the array
+call metadata               ``core.call_metadata``: trace context, forwarded key     grpc.aio client interceptors
+                            and mesh token put into each call by the channel         (the same metadata, same order)
 ==========================  ======================================================  ===================================
 
 Not switched, because they are not bypasses: the gateway's uvicorn protocol subclass (``gateway.protocol``) holds
