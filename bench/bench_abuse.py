@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import collections
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -202,6 +203,7 @@ def _beside(phase: str, mesh: object, seconds: float, tmp: Path, pids: dict[str,
     the abuser got."""
     report = tmp / "attack.json"
     report.write_text("{}")
+    served = _served_codes(mesh) if phase == "endless streams" else None
     attacker = subprocess.Popen([sys.executable, __file__, "--attack", phase, "--base-url", mesh.base_url,  # type: ignore[attr-defined]
                                  "--preprocessor", mesh.preprocessor, "--report", str(report)],  # type: ignore[attr-defined]
                                 stderr=subprocess.DEVNULL)
@@ -215,7 +217,30 @@ def _beside(phase: str, mesh: object, seconds: float, tmp: Path, pids: dict[str,
     got = json.loads(report.read_text() or "{}")
     rate = sum(got.values()) / (time.monotonic() - started)
     time.sleep(1.0)
-    return lat, failed, cpu, f"{rate:.0f}/s: {_got_text(phase, got)}"
+    text = f"{rate:.0f}/s: {_got_text(phase, got)}"
+    if served is not None:
+        after = _served_codes(mesh)
+        answered = {k: after[k] - served.get(k, 0) for k in after if after[k] > served.get(k, 0)}
+        text += "; the preprocessor answered " + ", ".join(f"{k} {v}" for k, v in sorted(answered.items(),
+                                                                                          key=lambda kv: -kv[1]))
+    return lat, failed, cpu, text
+
+
+def _served_codes(mesh: object) -> dict[str, int]:
+    """The preprocessor's own count of Generate calls by the status it answered (its /metrics): what the server
+    did, beside what the abuser's gRPC library reported."""
+    import urllib.request
+
+    found = re.search(r"preprocessor :(\d+)", Path(mesh.log_path).read_text(errors="replace"))  # type: ignore[attr-defined]
+    if found is None:
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=5).read().decode()
+    out: dict[str, int] = collections.Counter()
+    for labels, value in re.findall(r"^embedmesh_rpc_requests_total\{([^}]*)\} (\S+)$", text, re.M):
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if fields.get("method") == "Generate" and fields.get("service") == "preprocessor":
+            out[fields["code"]] += int(float(value))
+    return out
 
 
 def _pids(mesh: object) -> dict[str, int]:
@@ -336,6 +361,10 @@ def main() -> None:
           "abuses (pooled), so drift over the run is on both sides. On this 2-core machine the mesh, B's client and "
           "the abuser share the CPUs: what the abuser costs the mesh (accepting its connections, answering its 429s) "
           "is part of B's latency.")
+    if any("INTERNAL" in got for *_, got in rows):
+        print("An INTERNAL the abuser got ('Internal error from Core') is its own gRPC library's report of a stream "
+              "the server ended while the client was still writing its request stream; what the preprocessor "
+              "answered is counted beside it from the preprocessor's /metrics.")
     each = " ".join(f"{k.replace(' ', '_')}={v:.2f}" for k, v in ratios.items())
     print(f"abuse: worst_p99_over_alone={worst:.2f} {each}")
 
