@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import copy
 import importlib.metadata
 import io
 import os
@@ -37,7 +36,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.envoy import affinity_healthy, generator, round_robin  # noqa: E402
 from tests.support.mesh import free_port  # noqa: E402
 
 HEADER = "x-embedmesh-affinity"
@@ -68,17 +67,6 @@ def images(count: int, offset: int) -> list[str]:
         Image.fromarray(px).save(buf, "PNG")
         out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
     return out
-
-
-def round_robin(config: dict[str, Any]) -> dict[str, Any]:
-    """The generated affinity egress without its hashing twins (routes and cluster), on ROUND_ROBIN."""
-    plain = copy.deepcopy(config)
-    for listener in plain["static_resources"]["listeners"]:
-        vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
-        vhost["routes"] = [r for r in vhost["routes"] if "hash_policy" not in r["route"]]
-    plain["static_resources"]["clusters"] = [{**c, "lb_policy": "ROUND_ROBIN"} for c in plain["static_resources"][
-        "clusters"] if c["lb_policy"] != "MAGLEV"]
-    return plain
 
 
 class Processes:
@@ -118,22 +106,6 @@ class Processes:
         self.procs.clear()
 
 
-def _generator() -> Any:
-    spec = spec_from_file_location("_envoy_generate", ROOT / "deploy" / "envoy" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _envoy_healthy(admin: int) -> bool:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2).read().decode()
-    flags = [line.split("::")[3] for line in text.splitlines()
-             if line.split("::")[0] in ("preprocessor", "preprocessor_affinity")
-             and line.split("::")[2] == "health_flags"]
-    return len(flags) in (2, 4) and all(f == "healthy" for f in flags)
-
-
 def encodes(metrics_ports: list[int]) -> int:
     total = 0.0
     for port in metrics_ports:
@@ -159,7 +131,7 @@ def start(procs: Processes, redis_url: str | None) -> tuple[dict[str, str], list
     gateways, admins = {}, []
     for mode in ("affinity", "round robin"):
         listen, admin, gw = free_port(), free_port(), free_port()
-        config = _generator().loopback(mesh, listen_port=listen, endpoints=pres, admin_port=admin, caller="gateway")
+        config = generator().loopback(mesh, listen_port=listen, endpoints=pres, admin_port=admin, caller="gateway")
         if mode == "round robin":
             config = round_robin(config)
         path = procs.logs / f"envoy-{mode.replace(' ', '-')}.yaml"
@@ -171,7 +143,7 @@ def start(procs: Processes, redis_url: str | None) -> tuple[dict[str, str], list
         gateways[mode] = f"http://127.0.0.1:{gw}"
         admins.append(admin)
     for admin in admins:
-        procs.wait("Envoy sees both replicas healthy", lambda admin=admin: _envoy_healthy(admin))
+        procs.wait("Envoy sees both replicas healthy", lambda admin=admin: affinity_healthy(admin))
     for url in gateways.values():
         procs.wait("gateway up", lambda url=url: httpx.get(f"{url}/health", timeout=1).status_code == 200)
     return gateways, metrics

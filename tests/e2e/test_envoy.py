@@ -20,7 +20,6 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from importlib.util import module_from_spec, spec_from_file_location
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from embedmesh.inference.v1 import inference_pb2, inference_pb2_grpc
 from embedmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.support import generate as gen
+from tests.support.envoy import generator
 from tests.support.mesh import free_port
 
 pytestmark = pytest.mark.e2e
@@ -46,14 +46,6 @@ FLIP_TIMEOUT_S = 10.0
 def _envoy_binary() -> str | None:
     local = Path(sys.executable).parent / "envoy"
     return str(local) if local.exists() else shutil.which("envoy")
-
-
-def _generator() -> Any:
-    spec = spec_from_file_location("_envoy_generate", ROOT / "deploy" / "envoy" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -119,7 +111,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             _wait(f"preprocessor {r['pre']} SERVING", lambda r=r: _serving(r["pre"]), START_TIMEOUT_S, logs)
 
         listen, admin = free_port(), free_port()
-        config = _generator().loopback(yaml.safe_load((ROOT / "deploy" / "mesh.yaml").read_text()),
+        config = generator().loopback(yaml.safe_load((ROOT / "deploy" / "mesh.yaml").read_text()),
                                        listen_port=listen, endpoints=[r["pre"] for r in replicas],
                                        admin_port=admin)
         (logs / "envoy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -16,7 +16,6 @@ real gateway process in front of that Envoy (the openai SDK sends the chat reque
 from __future__ import annotations
 
 import base64
-import copy
 import io
 import re
 import signal
@@ -40,12 +39,12 @@ from tests.e2e.test_envoy import (
     START_TIMEOUT_S,
     _admin_up,
     _envoy_binary,
-    _generator,
     _serving,
     _spawn,
     _wait,
 )
 from tests.support import generate as gen
+from tests.support.envoy import AFFINITY_CLUSTERS, affinity_healthy, generator, round_robin
 from tests.support.mesh import free_port
 
 pytestmark = pytest.mark.e2e
@@ -66,41 +65,15 @@ def png_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def round_robin(config: dict[str, Any]) -> dict[str, Any]:
-    """The same egress without the hashing twins (routes and cluster), on ROUND_ROBIN: what the replicas get
-    without affinity."""
-    plain = copy.deepcopy(config)
-    for listener in plain["static_resources"]["listeners"]:
-        vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
-        twins = [r for r in vhost["routes"] if "hash_policy" in r["route"]]
-        assert twins and all(r["route"]["hash_policy"] == [{"header": {"header_name": HEADER}}] for r in twins)
-        vhost["routes"] = [r for r in vhost["routes"] if "hash_policy" not in r["route"]]
-    clusters = plain["static_resources"]["clusters"]
-    assert [c["lb_policy"] for c in clusters] == ["LEAST_REQUEST", "MAGLEV"]
-    plain["static_resources"]["clusters"] = [{**clusters[0], "lb_policy": "ROUND_ROBIN"}]
-    return plain
-
-
-CLUSTERS = ("preprocessor", "preprocessor_affinity")
-"""The egress's clusters: the plain one (least request; round robin in the unhashed variant) and its hashed twin."""
-
-
 def _hosts(admin: int) -> dict[str, int]:
     """Envoy's calls per host (admin /clusters rq_total; health checks are not counted)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=5).read().decode()
     out: dict[str, int] = {}
     for line in text.splitlines():
         parts = line.split("::")
-        if len(parts) == 4 and parts[0] in CLUSTERS and parts[2] == "rq_total":
+        if len(parts) == 4 and parts[0] in AFFINITY_CLUSTERS and parts[2] == "rq_total":
             out[parts[1]] = out.get(parts[1], 0) + int(parts[3])  # the plain cluster and its hashed twin
     return out
-
-
-def _healthy(admin: int) -> bool:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=5).read().decode()
-    flags = [line.split("::")[3] for line in text.splitlines()
-             if line.split("::")[0] in CLUSTERS and line.split("::")[2] == "health_flags"]
-    return len(flags) in (2, 4) and all(f == "healthy" for f in flags)
 
 
 def encodes(metrics_port: int) -> int:
@@ -133,7 +106,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         envoys = {}
         for kind in ("affinity", "round_robin"):
             listen, admin = free_port(), free_port()
-            config = _generator().loopback(mesh, listen_port=listen, endpoints=[r["pre"] for r in replicas],
+            config = generator().loopback(mesh, listen_port=listen, endpoints=[r["pre"] for r in replicas],
                                            admin_port=admin, caller="gateway")
             if kind == "round_robin":
                 config = round_robin(config)
@@ -146,7 +119,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             envoys[kind] = {"address": f"127.0.0.1:{listen}", "admin": admin, "gateway": f"http://127.0.0.1:{gateway}"}
         for kind, e in envoys.items():
             _wait(f"{kind} envoy sees both replicas healthy",
-                  lambda e=e: _admin_up(e["admin"]) and _healthy(e["admin"]), START_TIMEOUT_S, logs)
+                  lambda e=e: _admin_up(e["admin"]) and affinity_healthy(e["admin"]), START_TIMEOUT_S, logs)
             _wait(f"{kind} gateway up", lambda e=e: _http_up(e["gateway"]), START_TIMEOUT_S, logs)
         with grpc.insecure_channel(envoys["affinity"]["address"]) as ch:
             models = inference_pb2_grpc.InferenceServiceStub(ch).ListModels(inference_pb2.ListModelsRequest(),
